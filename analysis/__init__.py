@@ -1,0 +1,1 @@
+"""Tables and figures from logged runs (a local ``runs/`` folder); never loads a model."""

@@ -1,0 +1,30 @@
+"""``python -m analysis table <runs-dir> [--out DIR]``: print and write the results table."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m analysis", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("table", help="model × method × bits table of the recorded metrics")
+    t.add_argument("runs_dir", type=Path)
+    t.add_argument("--out", type=Path, default=None, help="folder for table.md and table.csv (default: runs_dir)")
+    args = ap.parse_args(argv)
+    if args.cmd == "table":
+        if not args.runs_dir.is_dir():
+            print(f"error: {args.runs_dir} is not a folder of runs", file=sys.stderr)
+            return 2
+        from analysis.table import write
+
+        md, out = write(args.runs_dir, args.out)
+        print(md)
+        print(f"\n(written to {out / 'table.md'} and {out / 'table.csv'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,17 @@
+"""RTN (spec §6.1): quantize the native caches C = uΓ and post-RoPE K_P as they are."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from quantmla.methods import Method, MethodConfig, register
+
+
+@dataclass
+class RTNConfig(MethodConfig):
+    name = "rtn"
+
+
+@register(RTNConfig)
+class RTN(Method):
+    """No transform: the quantizer alone."""

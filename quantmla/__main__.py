@@ -1,0 +1,3 @@
+from quantmla.run import cli
+
+cli()

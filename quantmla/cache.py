@@ -1,0 +1,91 @@
+"""What the latent cache stores: the CxRy spec and the BF16 protection policy.
+
+``CxRy`` = x-bit content latent ``C``, y-bit post-RoPE key ``K_P`` for every token
+outside the protected set (spec §3); ``C16R16`` is the plain BF16 cache. Protection keeps
+the first ``sink`` tokens and the ``recent`` most recent tokens in BF16 at evaluation time,
+with the decode-faithful per-query rule of spec §9 item 1: query ``i`` sees key ``j`` in
+BF16 iff ``j < sink`` or ``j > i - recent``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+
+import torch
+
+from quantmla.quant import BITS, qdq
+
+_NAME = re.compile(r"^[cC](\d+)[rR](\d+)$")
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    content_bits: int = 16
+    rope_bits: int = 16
+    group: int = 64
+    sink: int = 4
+    recent: int = 128
+    protect: bool = True
+
+    def __post_init__(self):
+        for what, b in (("content bits", self.content_bits), ("RoPE bits", self.rope_bits)):
+            if b not in BITS:
+                raise ValueError(f"{what} {b} is not supported; choose from {', '.join(map(str, BITS))}")
+        if self.group < 1:
+            raise ValueError(f"group size must be positive, got {self.group}")
+        if self.sink < 0 or self.recent < 1:
+            raise ValueError(f"protection needs sink >= 0 and recent >= 1, got sink={self.sink} recent={self.recent}")
+
+    @classmethod
+    def parse(cls, name: str, **kw) -> CacheSpec:
+        """``"c4r4"`` → CacheSpec(4, 4); raises a ValueError naming the accepted form."""
+        m = _NAME.match(str(name).strip())
+        if not m:
+            raise ValueError(
+                f"bits '{name}' is not of the form CxRy (x, y in {{{', '.join(map(str, BITS))}}}), e.g. c4r4, c2r4, c16r16"
+            )
+        return cls(content_bits=int(m.group(1)), rope_bits=int(m.group(2)), **kw)
+
+    @property
+    def name(self) -> str:
+        return f"c{self.content_bits}r{self.rope_bits}"
+
+    @property
+    def quantized(self) -> bool:
+        return self.content_bits < 16 or self.rope_bits < 16
+
+    @property
+    def protected(self) -> bool:
+        return self.quantized and self.protect
+
+    def check_dims(self, d_c: int, d_r: int) -> None:
+        for what, d in (("content latent", d_c), ("RoPE key", d_r)):
+            if d % self.group:
+                raise ValueError(f"group size {self.group} does not divide the {what} width {d}")
+
+    def qdq_content(self, C: torch.Tensor) -> torch.Tensor:
+        """Simulated storage of C: BF16 scales (spec §9 item 10)."""
+        return qdq(C, self.content_bits, self.group, scale_dtype=torch.bfloat16)
+
+    def qdq_rope(self, K_P: torch.Tensor) -> torch.Tensor:
+        """Simulated storage of K_P: FP32 scales."""
+        return qdq(K_P, self.rope_bits, self.group, scale_dtype=torch.float32)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def protected_pairs(q_index: torch.Tensor, k_index: torch.Tensor, sink: int, recent: int) -> torch.Tensor:
+    """Decode-faithful protection (spec §9 item 1): bool (..., n, L), True where key j is BF16 for query i.
+
+    ``q_index`` (..., n) and ``k_index`` (..., L) are token indices within the request.
+    """
+    k = k_index.unsqueeze(-2)
+    q = q_index.unsqueeze(-1)
+    return (k < sink) | (k > q - recent)
+
+
+def protected_set(L: int, sink: int = 4, recent: int = 128) -> list[int]:
+    """Spec §3's P_L: the BF16 tokens of a cache of L tokens at decode time."""
+    return sorted(set(range(min(sink, L))) | set(range(max(0, L - recent), L)))

@@ -1,0 +1,129 @@
+"""Real text from installed packages, with no download.
+
+``wiki``: the 106 Wikipedia articles shipped in the ``gensim`` wheel's test data
+(``enwiki-latest-pages-articles1...-shortened.bz2``, CC BY-SA), the nearest offline
+stand-in for WikiText-2. Markup is stripped here. Articles are split deterministically:
+every fifth article (by order in the dump) is held out as ``test`` (perplexity), the rest
+is ``train`` (calibration). Nothing trained or calibrated by the project reads ``test``.
+"""
+
+from __future__ import annotations
+
+import bz2
+import html
+import importlib.util
+import re
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+WIKI_FILE = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+INSTALL_HINT = "pip install --no-deps gensim==4.4.0"
+
+
+class DataUnavailable(RuntimeError):
+    pass
+
+
+def package_dir(name: str, hint: str) -> Path:
+    """Folder of an installed package, found without importing it."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise DataUnavailable(f"package '{name}' is not installed; install it with: {hint}")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def wiki_path() -> Path:
+    p = package_dir("gensim", INSTALL_HINT) / "test" / "test_data" / WIKI_FILE
+    if not p.exists():
+        raise DataUnavailable(f"{p} is missing from the installed gensim; reinstall with: {INSTALL_HINT}")
+    return p
+
+
+def _strip_nested(text: str, open_: str, close: str) -> str:
+    pat = re.compile(re.escape(open_) + r"(?:(?!" + re.escape(open_) + r").)*?" + re.escape(close), re.S)
+    while True:
+        new = pat.sub("", text)
+        if new == text:
+            return text
+        text = new
+
+
+def clean_wikitext(text: str) -> str:
+    """Plain prose from wikitext markup (headings kept as lines)."""
+    text = html.unescape(text)
+    text = re.sub(r"<!--.*?-->", "", text, flags=re.S)
+    text = re.sub(r"<ref[^>]*/>", "", text)
+    text = re.sub(r"<ref[^>]*>.*?</ref>", "", text, flags=re.S)
+    text = re.sub(r"<(gallery|math|timeline|imagemap)[^>]*>.*?</\1>", "", text, flags=re.S)
+    text = _strip_nested(text, "{{", "}}")
+    text = _strip_nested(text, "{|", "|}")
+    text = re.sub(r"\[\[(?:File|Image|Category|[a-z]{2,3}(?:-[a-z]+)?):(?:[^\[\]]|\[\[[^\]]*\]\])*\]\]", "", text)
+    text = re.sub(r"\[\[(?:[^\]|]*\|)?([^\]]*)\]\]", r"\1", text)
+    text = re.sub(r"\[https?://\S+\s([^\]]*)\]", r"\1", text)
+    text = re.sub(r"\[?https?://\S+\]?", "", text)
+    text = re.sub(r"'{2,}", "", text)
+    text = re.sub(r"</?[a-zA-Z][^>]*>", "", text)
+    text = re.sub(r"^\s*(=+)\s*(.*?)\s*\1\s*$", r"\2", text, flags=re.M)
+    text = re.sub(r"^[*#:;]+\s*", "", text, flags=re.M)
+    text = re.sub(r"[ \t]+", " ", text)
+    text = re.sub(r"\n\s*\n+", "\n\n", text)
+    return text.strip()
+
+
+@lru_cache(maxsize=1)
+def wiki_articles() -> tuple[tuple[str, str], ...]:
+    """(title, plain text) of every non-redirect article, in dump order."""
+    raw = bz2.open(wiki_path(), "rt", encoding="utf-8").read()
+    out = []
+    for page in re.findall(r"<page>(.*?)</page>", raw, re.S):
+        title = re.search(r"<title>(.*?)</title>", page).group(1)
+        body = re.search(r"<text[^>]*>(.*?)</text>", page, re.S)
+        if body is None or body.group(1).lstrip().upper().startswith("#REDIRECT"):
+            continue
+        text = clean_wikitext(body.group(1))
+        if len(text) > 200:
+            out.append((html.unescape(title), text))
+    return tuple(out)
+
+
+def wiki_split(split: str) -> list[str]:
+    if split not in ("train", "test"):
+        raise ValueError(f"unknown split '{split}' (train or test)")
+    arts = wiki_articles()
+    return [t for i, (_, t) in enumerate(arts) if (i % 5 == 0) == (split == "test")]
+
+
+TEXT_SOURCES = {"wiki": wiki_split}
+
+
+def texts(source: str, split: str) -> list[str]:
+    if source not in TEXT_SOURCES:
+        raise ValueError(f"unknown text source '{source}'; choose one of {', '.join(TEXT_SOURCES)}")
+    return TEXT_SOURCES[source](split)
+
+
+def token_stream(tokenizer, docs: list[str]) -> torch.Tensor:
+    """All documents tokenized (no special tokens) and joined with blank lines."""
+    ids = tokenizer("\n\n".join(docs), add_special_tokens=False, verbose=False).input_ids
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def windows(stream: torch.Tensor, seq_len: int, count: int | None = None, seed: int | None = None) -> torch.Tensor:
+    """Non-overlapping windows of ``seq_len`` tokens (count, seq_len).
+
+    ``seed=None`` takes them in order; otherwise a seeded random choice of distinct
+    windows (spec §9 item 9).
+    """
+    total = stream.numel() // seq_len
+    if total == 0:
+        raise ValueError(f"sequence length {seq_len} is longer than the text ({stream.numel()} tokens)")
+    count = total if count is None else count
+    if count > total:
+        raise ValueError(f"asked for {count} windows of {seq_len} tokens but the text holds only {total}")
+    w = stream[: total * seq_len].view(total, seq_len)
+    if seed is None:
+        return w[:count]
+    g = torch.Generator().manual_seed(seed)
+    return w[torch.randperm(total, generator=g)[:count]]

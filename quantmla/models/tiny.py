@@ -1,0 +1,74 @@
+"""``tiny``: a random-initialised DeepseekV2 MLA model and a byte-level tokenizer, built in code.
+
+No files, no hub: everything comes from the seed, so unit tests and the quick sweep run
+anywhere. Its weights are random, so its metrics only check that the pipeline works.
+"""
+
+from __future__ import annotations
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, PreTrainedTokenizerFast
+
+SPECIALS = ("<s>", "</s>", "<pad>")
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer (256 byte symbols + BOS/EOS/PAD), no merges."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {s: i for i, s in enumerate(SPECIALS)}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+def tiny_config(
+    vocab_size: int = 259,
+    layers: int = 2,
+    hidden: int = 256,
+    heads: int = 4,
+    kv_lora_rank: int = 128,
+    q_lora_rank: int | None = None,
+    qk_rope_head_dim: int = 64,
+    qk_nope_head_dim: int = 32,
+    v_head_dim: int = 32,
+    max_position_embeddings: int = 4096,
+    initializer_range: float = 0.08,
+) -> DeepseekV2Config:
+    return DeepseekV2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        moe_intermediate_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        kv_lora_rank=kv_lora_rank,
+        q_lora_rank=q_lora_rank,
+        qk_rope_head_dim=qk_rope_head_dim,
+        qk_nope_head_dim=qk_nope_head_dim,
+        v_head_dim=v_head_dim,
+        first_k_dense_replace=layers,  # every layer dense: no MoE in the tiny model
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        max_position_embeddings=max_position_embeddings,
+        initializer_range=initializer_range,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        tie_word_embeddings=False,
+    )
+
+
+def build(config: DeepseekV2Config | None = None, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """(model, tokenizer): the seeded random model in eval mode."""
+    config = config or tiny_config()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = DeepseekV2ForCausalLM(config)
+    return model.to(dtype).eval(), byte_tokenizer()
