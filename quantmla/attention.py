@@ -124,3 +124,60 @@ def uninstall(model: nn.Module) -> None:
         for name, child in list(parent.named_children()):
             if isinstance(child, LatentAttention):
                 setattr(parent, name, child.original)
+
+
+def new_cache(model: nn.Module, batch_size: int = 1, max_length: int | None = None):
+    """A fresh cache for generation through the harness's attention (pass as ``past_key_values``)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+def latent_layers(model: nn.Module) -> list[LatentAttention]:
+    return [m for m in model.modules() if isinstance(m, LatentAttention)]
+
+
+class LayerInput:
+    """What one attention layer received in a forward pass: its input x (after
+    ``input_layernorm``), the position embeddings and the attention mask."""
+
+    def __init__(self, x: torch.Tensor, position_embeddings, attention_mask):
+        self.x, self.position_embeddings, self.attention_mask = x, position_embeddings, attention_mask
+
+
+@torch.no_grad()
+def capture_inputs(model: nn.Module, input_ids: torch.Tensor, **model_kwargs) -> list[LayerInput]:
+    """Run ``model`` once and return every LatentAttention layer's input, in layer order."""
+    layers = latent_layers(model)
+    if not layers:
+        raise ValueError("the model has no LatentAttention layers; call quantmla.attention.install first")
+    seen: dict[int, LayerInput] = {}
+
+    def hook(i):
+        def fn(module, args, kwargs):
+            x = kwargs.get("hidden_states", args[0] if args else None)
+            seen[i] = LayerInput(x.detach(), kwargs.get("position_embeddings"), kwargs.get("attention_mask"))
+
+        return fn
+
+    handles = [layer.register_forward_pre_hook(hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    try:
+        model(input_ids, use_cache=False, **model_kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return [seen[i] for i in range(len(layers))]
+
+
+def layer_output(layer: LatentAttention, q_nope, q_pe, C, K_P, attention_mask=None, spec: CacheSpec | None = None):
+    """Post-``o_proj`` output Y of ``layer`` from given (possibly perturbed) caches.
+
+    Differentiable; ``spec`` defaults to no quantization (the caches are used as given).
+    """
+    saved = layer.spec
+    layer.spec = spec or CacheSpec(group=saved.group)
+    try:
+        o_lat, _ = layer.attend(layer.mla.absorb(q_nope), q_pe, C, K_P, attention_mask)
+    finally:
+        layer.spec = saved
+    return layer.mla.output(o_lat)

@@ -17,7 +17,7 @@ import platform
 import subprocess
 import sys
 import traceback
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 
@@ -93,7 +93,7 @@ class RunRecord:
         for stale in ("metrics.json", "error.txt"):
             (self.dir / stale).unlink(missing_ok=True)
         _write(self.dir / "config.yaml", yaml.safe_dump(self.cfg, sort_keys=False))
-        env = environment() | {"started": datetime.now(timezone.utc).isoformat()}
+        env = environment() | {"started": datetime.now(UTC).isoformat()}
         _write(self.dir / "env.json", json.dumps(env, indent=2))
         _write(self.dir / "status", "running\n")
 
@@ -172,7 +172,7 @@ class WandbLogger:
             mode=self.resolved_mode(),
             dir=str(record.dir),
             name=record.id,
-            id=f"{sweep}-{record.id}-{datetime.now(timezone.utc):%Y%m%d%H%M%S}",
+            id=f"{sweep}-{record.id}-{datetime.now(UTC):%Y%m%d%H%M%S}",
             group=sweep,
             tags=self.tags,
             config=record.cfg,
