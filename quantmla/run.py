@@ -200,7 +200,8 @@ def validate_argv(argv: list[str]) -> None:
         for o in job:
             key, _, value = o.lstrip("+~").partition("=")
             if key in groups and value not in group_options(key) and value != "null":
-                raise ConfigError(f"unknown {key} '{value}'; choose one of: {', '.join(group_options(key))}")
+                hint = f" (any other CxRy: bits.name={value})" if key == "bits" else ""
+                raise ConfigError(f"unknown {key} '{value}'; choose one of: {', '.join(group_options(key))}{hint}")
     with initialize_config_dir(str(conf_dir()), version_base="1.3"):
         for job in jobs:
             try:

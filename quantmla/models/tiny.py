@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, DeepseekV2Config, PreTrainedTokenizerFast
 
 SPECIALS = ("<s>", "</s>", "<pad>")
 
@@ -65,10 +65,42 @@ def tiny_config(
     )
 
 
-def build(config: DeepseekV2Config | None = None, seed: int = 0, dtype: torch.dtype = torch.float32):
+FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
+
+
+def family_config(family: str = "deepseek_v2", q_lora_rank: int | None = None, **kw):
+    """A tiny random config of another MLA family with the same shapes as :func:`tiny_config`.
+
+    ``deepseek_v3`` and ``glm4_moe_lite`` use interleaved RoPE weights (``rope_interleave``),
+    so tests cover both RoPE layouts and q-LoRA (``q_lora_rank``).
+    """
+    base = tiny_config(q_lora_rank=q_lora_rank, **kw)
+    if family == "deepseek_v2":
+        return base
+    shared = {
+        k: getattr(base, k)
+        for k in (
+            "vocab_size hidden_size intermediate_size moe_intermediate_size num_hidden_layers num_attention_heads "
+            "num_key_value_heads kv_lora_rank q_lora_rank qk_rope_head_dim qk_nope_head_dim v_head_dim "
+            "max_position_embeddings initializer_range bos_token_id eos_token_id pad_token_id tie_word_embeddings"
+        ).split()
+    }
+    shared.update(n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1)
+    if family == "deepseek_v3":
+        from transformers import DeepseekV3Config
+
+        return DeepseekV3Config(**shared, first_k_dense_replace=base.num_hidden_layers, rope_interleave=True)
+    if family == "glm4_moe_lite":
+        from transformers.models.glm4_moe_lite import Glm4MoeLiteConfig
+
+        return Glm4MoeLiteConfig(**shared, mlp_layer_types=["dense"] * base.num_hidden_layers, rope_interleave=True)
+    raise ValueError(f"unknown family '{family}'; choose one of {', '.join(FAMILIES)}")
+
+
+def build(config=None, seed: int = 0, dtype: torch.dtype = torch.float32):
     """(model, tokenizer): the seeded random model in eval mode."""
     config = config or tiny_config()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = DeepseekV2ForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     return model.to(dtype).eval(), byte_tokenizer()
