@@ -250,3 +250,57 @@ def test_cli_refuses_bad_target_before_loading(tmp_path):
     assert out.returncode == 2
     assert "error: sensitivity target_nmse must be positive, got 0" in out.stderr
     assert not any(tmp_path.rglob("metrics.json"))
+
+
+@pytest.mark.parametrize("family", ["DeepseekV3", "Glm4MoeLite", "LongcatFlash"])
+def test_probe_output_on_other_mla_families(family):
+    """q-LoRA, interleaved RoPE and LongCat's latent scalars: the probe's Y is the layer's output."""
+    import transformers
+
+    from quantmla.evals.sensitivity import _row
+
+    kw = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        kv_lora_rank=64,
+        q_lora_rank=32,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        first_k_dense_replace=2,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        max_position_embeddings=512,
+    )
+    if family == "LongcatFlash":
+        kw |= dict(num_layers=2, ffn_hidden_size=128, expert_ffn_hidden_size=32, zero_expert_num=0, moe_topk=2)
+    config = getattr(transformers, f"{family}Config")(**kw)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
+    layers = attention.install(model, CacheSpec())
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+    seen = {}
+    hooks = [
+        layer.register_forward_hook(lambda m, a, out, i=i: seen.__setitem__(i, out[0]))
+        for i, layer in enumerate(layers)
+    ]
+    try:
+        with torch.no_grad():
+            model(ids, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    for i, (layer, c) in enumerate(zip(layers, attention.capture_inputs(model, ids))):
+        probe = LayerProbe(
+            frozen_copy(layer, torch.float64), c.x[1:2], _row(c.position_embeddings, 1), _row(c.attention_mask, 1)
+        )
+        assert sq(probe.Y - seen[i][1:2]) / sq(probe.Y) < 1e-10
+        for b in "CP":
+            assert probe.response(b, 0.01)["R"] > 0

@@ -15,6 +15,7 @@ articles (``wiki``) stand in for WikiText-2 and the packaged news articles (``ne
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,7 @@ from quantmla.sensitivity import (
 )
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
+log = logging.getLogger("quantmla")
 
 
 def _row(t, i: int):
@@ -175,6 +177,16 @@ class Sensitivity(Eval):
                     bar.update(1)
                     bar.set_postfix(cell=f"{ds}/{seed}", layer=li)
                 del batches
+                done = [r for r in records if (r["dataset"], r["seed"]) == (ds, seed)]
+                log.info(
+                    "sensitivity cell %s/%s: %d layers × %d sequences, mean R_C %.4g, mean R_P %.4g",
+                    ds,
+                    seed,
+                    len(chosen),
+                    len(ids),
+                    sum(r["R_C"] for r in done) / len(done),
+                    sum(r["R_P"] for r in done) / len(done),
+                )
         finally:
             bar.close()
             for layer, spec in zip(layers, saved):
