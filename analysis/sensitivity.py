@@ -230,8 +230,8 @@ def figure_breakdown(run: dict, path: Path) -> Path:
     for a in axs.flat:
         a.grid(alpha=0.3, which="both")
         a.legend(fontsize=7)
-        a.xaxis.set_minor_formatter(NullFormatter())
-        a.yaxis.set_minor_formatter(NullFormatter())
+    axs[1, 1].xaxis.set_minor_formatter(NullFormatter())  # minor labels of a log-log scatter collide
+    axs[1, 1].yaxis.set_minor_formatter(NullFormatter())
     for a in list(axs[0]) + [axs[1, 0]]:
         a.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.savefig(path, dpi=130)
