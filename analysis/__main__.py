@@ -13,6 +13,9 @@ def main(argv: list[str] | None = None) -> int:
     t = sub.add_parser("table", help="model × method × bits table of the recorded metrics")
     t.add_argument("runs_dir", type=Path)
     t.add_argument("--out", type=Path, default=None, help="folder for table.md and table.csv (default: runs_dir)")
+    s = sub.add_parser("sensitivity", help="Table 4/5 and Figure 2 style plots of eval=sensitivity runs")
+    s.add_argument("runs_dir", type=Path)
+    s.add_argument("--out", type=Path, default=None, help="folder for the tables and figures (default: runs_dir)")
     args = ap.parse_args(argv)
     if args.cmd == "table":
         if not args.runs_dir.is_dir():
@@ -23,6 +26,19 @@ def main(argv: list[str] | None = None) -> int:
         md, out = write(args.runs_dir, args.out)
         print(md)
         print(f"\n(written to {out / 'table.md'} and {out / 'table.csv'})")
+    if args.cmd == "sensitivity":
+        if not args.runs_dir.is_dir():
+            print(f"error: {args.runs_dir} is not a folder of runs", file=sys.stderr)
+            return 2
+        from analysis.sensitivity import write as write_sensitivity
+
+        try:
+            md, files = write_sensitivity(args.runs_dir, args.out)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(md)
+        print("\n(written: " + ", ".join(str(f) for f in files) + ")")
     return 0
 
 

@@ -8,7 +8,8 @@ aggregation, under one softmax (spec §9 item 1):
 O = (P ⊙ M) C + (P ⊙ ¬M) Ĉ.
 
 This is the torch reference the harness runs on CPU. It is written for clarity, computes
-in float32 and processes queries in chunks to bound memory.
+in float32 (float64 when the caches are float64, for the sensitivity probes) and processes
+queries in chunks to bound memory.
 """
 
 from __future__ import annotations
@@ -16,6 +17,11 @@ from __future__ import annotations
 import torch
 
 QUERY_CHUNK = 256
+
+
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """float64 for float64 inputs, float32 for everything else."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def latent_attention(
@@ -29,7 +35,7 @@ def latent_attention(
     protect: torch.Tensor | None,
     tau: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Latent output (B, H, n, d_c) and log-sum-exp (B, H, n), both float32.
+    """Latent output (B, H, n, d_c) and log-sum-exp (B, H, n), both float32 (float64 if C is).
 
     q_lat (B, H, n, d_c) and q_pe (B, H, n, d_r) are the absorbed content query and the
     post-RoPE query; C (B, 1, L, d_c) and K_P (B, 1, L, d_r) the BF16 caches; C_hat and
@@ -37,15 +43,16 @@ def latent_attention(
     (B, 1, n, L) the attention mask; ``protect`` (B, 1, n, L) True where the BF16 row is
     used (None: every pair uses the dequantized rows).
     """
-    C, K_P = C.float(), K_P.float()
+    dt = compute_dtype(C)
+    C, K_P = C.to(dt), K_P.to(dt)
     quantized = C_hat is not None
     if quantized:
-        C_hat, K_P_hat = C_hat.float(), K_P_hat.float()
+        C_hat, K_P_hat = C_hat.to(dt), K_P_hat.to(dt)
     outs, lses = [], []
     n = q_lat.shape[2]
     for s in range(0, n, QUERY_CHUNK):
         e = min(n, s + QUERY_CHUNK)
-        ql, qp, ok = q_lat[:, :, s:e].float(), q_pe[:, :, s:e].float(), allowed[:, :, s:e]
+        ql, qp, ok = q_lat[:, :, s:e].to(dt), q_pe[:, :, s:e].to(dt), allowed[:, :, s:e]
         scores = tau * (ql @ C.transpose(-1, -2) + qp @ K_P.transpose(-1, -2))
         if quantized:
             scores_hat = tau * (ql @ C_hat.transpose(-1, -2) + qp @ K_P_hat.transpose(-1, -2))

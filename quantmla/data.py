@@ -5,6 +5,10 @@
 stand-in for WikiText-2. Markup is stripped here. Articles are split deterministically:
 every fifth article (by order in the dump) is held out as ``test`` (perplexity), the rest
 is ``train`` (calibration). Nothing trained or calibrated by the project reads ``test``.
+
+``news``: the 299 news articles of the Lee background corpus shipped in the same wheel
+(``lee_background.cor``, one article per line), a web-text stand-in for C4 where the
+sensitivity study wants a second corpus; split the same way (every fifth article is ``test``).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 import torch
 
 WIKI_FILE = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+NEWS_FILE = "lee_background.cor"
 INSTALL_HINT = "pip install --no-deps gensim==4.4.0"
 
 
@@ -95,7 +100,17 @@ def wiki_split(split: str) -> list[str]:
     return [t for i, (_, t) in enumerate(arts) if (i % 5 == 0) == (split == "test")]
 
 
-TEXT_SOURCES = {"wiki": wiki_split}
+def news_split(split: str) -> list[str]:
+    if split not in ("train", "test"):
+        raise ValueError(f"unknown split '{split}' (train or test)")
+    p = package_dir("gensim", INSTALL_HINT) / "test" / "test_data" / NEWS_FILE
+    if not p.exists():
+        raise DataUnavailable(f"{p} is missing from the installed gensim; reinstall with: {INSTALL_HINT}")
+    arts = [line.strip() for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [t for i, t in enumerate(arts) if (i % 5 == 0) == (split == "test")]
+
+
+TEXT_SOURCES = {"wiki": wiki_split, "news": news_split}
 
 
 def texts(source: str, split: str) -> list[str]:

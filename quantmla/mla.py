@@ -193,8 +193,9 @@ class MLA:
         return q_nope, q_pe, self.content(c_pre), k_pe
 
     def absorb(self, q_nope: torch.Tensor) -> torch.Tensor:
-        """q_lat = q_nope · W_UK per head: (B, H, n, d_c), float32."""
-        return torch.einsum("bhnd,hdc->bhnc", q_nope.float(), self.W_UK().float())
+        """q_lat = q_nope · W_UK per head: (B, H, n, d_c), float32 (float64 if q_nope is)."""
+        dt = torch.float64 if q_nope.dtype == torch.float64 else torch.float32
+        return torch.einsum("bhnd,hdc->bhnc", q_nope.to(dt), self.W_UK().to(dt))
 
     def output(self, o_lat: torch.Tensor) -> torch.Tensor:
         """Y = o_proj(concat_h o_lat_h W_UV[h]^T): post-``o_proj`` output (B, n, d_model)."""

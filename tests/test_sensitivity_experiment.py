@@ -1,0 +1,66 @@
+"""experiment=table4_sensitivity end to end on `tiny`: run records, per-layer table, figures."""
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+from matplotlib.image import imread
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    runs = tmp_path_factory.mktemp("runs")
+    cmd = [sys.executable, "-m", "quantmla.run", "-m", "experiment=table4_sensitivity", "model=tiny"]
+    cmd += ["logger=none", f"runs_dir={runs}", "eval.seq_len=64", "eval.sequences=2", "eval.seeds=[0,1]"]
+    cmd += ["eval.probes=8", "eval.probe_batch=8", "eval.local_layers=[0,1]"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return runs / "table4_sensitivity", out.stdout
+
+
+def test_run_record_holds_per_layer_metrics(sweep):
+    root, _ = sweep
+    (metrics_file,) = root.glob("*/metrics.json")
+    m = json.loads(metrics_file.read_text())
+    assert (metrics_file.parent / "status").read_text().strip() == "done"
+    assert m["layers"] == 2 and len(m["per_layer"]) == 2 and len(m["cells"]) == 4
+    assert m["ratio"] == pytest.approx(m["rope_response"] / m["content_response"])
+    assert m["local"]["points"] == 2 * 4  # layers × cells × 1 sequence
+    for row in m["per_layer"]:
+        assert row["R_C"] > 0 and row["R_P"] > 0
+        assert row["ratio"] == pytest.approx(row["R_P"] / row["R_C"])
+
+
+def test_tables_and_figures_are_written(sweep):
+    root, stdout = sweep
+    m = json.loads(next(root.glob("*/metrics.json")).read_text())
+    md = (root / "sensitivity.md").read_text()
+    assert "Table 4" in md and "Table 5" in md
+    assert f"{m['ratio']:.3f}" in md and f"{m['content_response']:.3f}" in md
+    rows = list(csv.DictReader((root / "sensitivity_layers.csv").open()))
+    assert [int(r["layer"]) for r in rows] == [0, 1]
+    for r, want in zip(rows, m["per_layer"]):
+        assert float(r["R_C"]) == pytest.approx(want["R_C"]) and float(r["R_P"]) == pytest.approx(want["R_P"])
+    for name in ("sensitivity_responses.png", "sensitivity_breakdown_tiny.png"):
+        img = imread(root / name)
+        assert img.ndim == 3 and img.shape[0] > 300 and img.shape[1] > 600
+        assert img[..., :3].std() > 0.05  # something is drawn
+    assert "sensitivity_responses.png" in stdout
+
+
+def test_analysis_cli_renders_again(sweep, tmp_path):
+    root, _ = sweep
+    out = subprocess.run(
+        [sys.executable, "-m", "analysis", "sensitivity", str(root), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "sensitivity_responses.png").exists() and (tmp_path / "sensitivity_local.csv").exists()
+    empty = subprocess.run(
+        [sys.executable, "-m", "analysis", "sensitivity", str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
+    assert empty.returncode == 2 and "no finished sensitivity runs" in empty.stderr
