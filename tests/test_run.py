@@ -27,7 +27,7 @@ def _all_options():
         for option in group_options(group):
             yield group, option
     for option in group_options("experiment"):
-        yield "+experiment", option
+        yield "experiment", option
 
 
 @pytest.fixture(scope="module")
