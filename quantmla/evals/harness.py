@@ -169,7 +169,7 @@ class LMEval(Eval):
             )
             top = {spec.task} | set(groups) if spec.task in groups else set(loaded["tasks"])
             for k, v in res["results"].items():
-                out["results" if k in top else "subtasks"][k] = _numbers(v)
+                out["results" if k in top else "subtasks"][k] = numbers_only(v)
             n = res.get("n-samples", {})
             out["n_samples"][spec.task] = {
                 key: sum(int(n[t][key]) for t in loaded["tasks"] if t in n) for key in ("original", "effective")
@@ -193,7 +193,7 @@ def _plain(x):
     return OmegaConf.to_container(x, resolve=True) if isinstance(x, (DictConfig, ListConfig)) else x
 
 
-def _numbers(v: dict) -> dict:
+def numbers_only(v: dict) -> dict:
     """lm-eval's per-task result with only its numbers (``N/A`` stderr becomes null)."""
     out = {}
     for k, x in v.items():
