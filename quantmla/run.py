@@ -88,6 +88,7 @@ def plan(cfg: DictConfig) -> Plan:
         spec.check_dims(d_c, d_r)
         method.check(spec)
         ev.check()
+        ev.check_model(model.hf_config())
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - every validation failure becomes one line
@@ -139,6 +140,7 @@ def run(cfg: DictConfig) -> dict:
             model_name=p.model.name,
             max_positions=getattr(model.config, "max_position_embeddings", None),
             progress=sys.stderr.isatty(),
+            work_dir=str(record.dir),
         )
         metrics = p.eval.run(model, tokenizer, ctx)
         record.finish(metrics)

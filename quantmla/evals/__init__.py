@@ -2,7 +2,8 @@
 
 ``run(model, tokenizer, ctx)`` returns a flat-ish dict of metrics that lands in the run's
 ``metrics.json`` (and W&B). ``check`` raises ValueError with a one-line reason before any
-model is loaded.
+model is loaded; ``check_model`` does the same for what depends on the model's config
+(e.g. a context length).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ class EvalContext:
     max_positions: int | None = None
     progress: bool = True
     extra: Any = None
+    work_dir: str | None = None  # the run's folder: state that lets an interrupted run resume
 
 
 @dataclass
@@ -25,6 +27,9 @@ class Eval:
 
     def check(self) -> None:
         pass
+
+    def check_model(self, config) -> None:
+        """Validate against the model's transformers config (read without weights)."""
 
     def run(self, model, tokenizer, ctx: EvalContext) -> dict:
         raise NotImplementedError

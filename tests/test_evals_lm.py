@@ -1,0 +1,103 @@
+"""The lm-eval model class ``quantmla``: scoring and generation on the quantized latent cache."""
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from lm_eval.api.instance import Instance  # noqa: E402
+from lm_eval.api.registry import get_model  # noqa: E402
+from lm_eval.models.huggingface import HFLM  # noqa: E402
+
+from quantmla import attention  # noqa: E402
+from quantmla.cache import CacheSpec  # noqa: E402
+from quantmla.evals.lm import QuantMLALM  # noqa: E402
+from quantmla.models.tiny import build  # noqa: E402
+
+TEXT = (
+    "The Transformer replaced recurrence with attention. Each layer mixes information across positions, "
+    "and the key-value cache keeps what earlier tokens contributed so decoding does not recompute it. "
+)
+# (context, continuation): two short pairs (fully inside the 4 + 128 protected tokens) and
+# two long ones (most of the context is outside the protection window).
+REQUESTS = [
+    ("Question: what is two plus two?\nAnswer:", " four"),
+    ("The quick brown fox", " jumps over the lazy dog"),
+    (TEXT * 3, " The cache is quantized."),
+    (TEXT * 2 + "In short,", " attention reads the cache."),
+]
+
+
+def _ll(lm):
+    return [x for x, _ in lm.loglikelihood([Instance("loglikelihood", {}, r, i) for i, r in enumerate(REQUESTS)])]
+
+
+def _set_bits(model, name):
+    for layer in attention.latent_layers(model):
+        layer.spec = CacheSpec.parse(name)
+
+
+def test_registered_name():
+    assert get_model("quantmla") is QuantMLALM
+
+
+def test_loglikelihood_matches_plain_hflm_at_bf16_and_moves_at_c2r4():
+    model, tok = build()
+    plain = torch.tensor(_ll(HFLM(pretrained=model, tokenizer=tok, batch_size=2)), dtype=torch.float64)
+
+    attention.install(model, CacheSpec())
+    lm = QuantMLALM(model, tok, batch_size=2)
+    _set_bits(model, "c16r16")
+    bf16 = torch.tensor(_ll(lm), dtype=torch.float64)
+    assert (bf16 - plain).abs().max() <= 1e-4
+
+    _set_bits(model, "c2r4")
+    c2r4 = torch.tensor(_ll(lm), dtype=torch.float64)
+    n_tok = [len(tok(c + x).input_ids) for c, x in REQUESTS]
+    assert n_tok[0] <= 132 and n_tok[1] <= 132 and min(n_tok[2:]) > 300
+    # every token of a short request is a protected (BF16) sink/recent token
+    assert (c2r4[:2] - bf16[:2]).abs().max() <= 1e-4
+    # long requests read 2-bit content for most of their context
+    assert (c2r4[2:] - bf16[2:]).abs().min() > 1e-3
+
+
+def test_generation_uses_the_harness_cache_and_matches_stepwise_decoding():
+    """Greedy generation through the cache seam equals re-running the whole sequence at every
+    step (decode-faithful protection makes both see the same BF16/quantized keys), at C4R4."""
+    model, tok = build()
+    attention.install(model, CacheSpec())
+    _set_bits(model, "c4r4")
+    lm = QuantMLALM(model, tok, batch_size=1)
+    prompt, n_new = TEXT * 2, 12
+
+    layer = attention.latent_layers(model)[0]
+    decode_steps = []
+
+    def count(module, args, kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        decode_steps.append((kwargs["hidden_states"].shape[1], cache is not None))
+
+    h = layer.register_forward_pre_hook(count, with_kwargs=True)
+    try:
+        (out,) = lm.generate_until([Instance("generate_until", {}, (prompt, {"until": [], "max_gen_toks": n_new}), 0)])
+    finally:
+        h.remove()
+    assert sum(1 for n, cached in decode_steps if n == 1 and cached) == n_new - 1
+
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        for _ in range(n_new):
+            nxt = model(ids, use_cache=False).logits[0, -1].argmax()
+            ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
+    reference = tok.decode(ids[0, -n_new:], skip_special_tokens=True)
+    assert out == reference
+
+
+def test_rejects_models_the_harness_did_not_prepare():
+    model, tok = build()
+    with pytest.raises(ValueError, match="LatentAttention"):
+        QuantMLALM(model, tok)
+    with pytest.raises(TypeError, match="quantmla.run"):
+        QuantMLALM("deepseek-ai/DeepSeek-V2-Lite", tok)
