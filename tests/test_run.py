@@ -50,8 +50,10 @@ def test_every_config_composes_and_validates(group, option, tmp_path, tiny_folde
     try:
         plan(cfg)
     except ConfigError as e:
-        # the paper's checkpoints are not on this machine: that must be the only reason
-        assert group == "model" and OFFLINE_ONLY in str(e), str(e)
+        # the only acceptable refusals: the paper's checkpoints are not on this machine, and
+        # the paper's RULER lengths (up to 32K) do not fit the 4K context of the tiny model
+        expected = {"model": OFFLINE_ONLY, "eval": "exceeds the model's context"}
+        assert group in expected and expected[group] in str(e), str(e)
 
 
 def _cli(*args, cwd=None, timeout=300):
