@@ -64,12 +64,14 @@ class Plan:
     spec: object
     eval: object
     logger: object
+    calibration: object
 
 
 def plan(cfg: DictConfig) -> Plan:
     """Build and validate everything a run needs, loading no model."""
     from quantmla import methods
     from quantmla.cache import CacheSpec
+    from quantmla.data import CalibrationData
 
     try:
         model = make(cfg.model)
@@ -84,16 +86,20 @@ def plan(cfg: DictConfig) -> Plan:
         method = methods.get(method_cfg)
         ev = make(cfg.eval)
         logger = make(cfg.logger)
+        calibration = CalibrationData(**OmegaConf.to_container(cfg.calibration, resolve=True))
         d_c, d_r = model.check()
         spec.check_dims(d_c, d_r)
         method.check(spec)
+        method.check_dims(d_c, d_r)
+        if method.needs_data:
+            calibration.check()
         ev.check()
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - every validation failure becomes one line
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(msg) from e
-    return Plan(cfg, model, method, spec, ev, logger)
+    return Plan(cfg, model, method, spec, ev, logger, calibration)
 
 
 def run(cfg: DictConfig) -> dict:
@@ -131,6 +137,8 @@ def run(cfg: DictConfig) -> dict:
                 model_name=p.model.name,
                 device=device,
                 cache_dir=Path(cfg.runs_dir) / ".transforms",
+                calibration=p.calibration,
+                progress=sys.stderr.isatty(),
             ),
         )
         for layer in layers:
@@ -141,6 +149,8 @@ def run(cfg: DictConfig) -> dict:
             progress=sys.stderr.isatty(),
         )
         metrics = p.eval.run(model, tokenizer, ctx)
+        if p.method.info:
+            metrics["method"] = p.method.info
         record.finish(metrics)
         p.logger.log(metrics)
         ok = True
