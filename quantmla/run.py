@@ -43,6 +43,7 @@ def group_options(group: str) -> list[str]:
 
 def make(node):
     """Instantiate a config group node, dropping its display ``name`` where the class has no such field."""
+    from hydra.errors import InstantiationException
     from hydra.utils import get_class, instantiate
 
     node = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
@@ -53,7 +54,12 @@ def make(node):
         node.pop("name")
         if getattr(cls, "name", name) != name:
             raise ConfigError(f"config name '{name}' does not match {cls.__name__}.name '{cls.name}'")
-    return instantiate(node)
+    try:
+        return instantiate(node)
+    except InstantiationException as e:  # report the target's own error (one line), not Hydra's wrapper
+        if isinstance(e.__cause__, Exception):
+            raise e.__cause__ from None
+        raise
 
 
 @dataclass
