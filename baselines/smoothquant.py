@@ -16,19 +16,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from quantmla.calibration import (
+    Teacher,
     activation_percentiles,
     alpha_log_scales,
     check_pairing,
+    content_loss,
     heldout_mean,
-    output_nmse,
+    rope_loss,
 )
 from quantmla.methods import Method, MethodConfig, MethodContext, register
 from quantmla.transforms import (
     LayerTransform,
     from_state,
     fuse,
-    quantized_content,
-    quantized_rope,
     rope_key_maps,
     to_state,
 )
@@ -72,20 +72,17 @@ class SmoothQuant(Method):
         logs_P = {al: [alpha_log_scales(a, al, cfg.log_scale_clip) for a in a_P] for al in alphas}
 
         def losses(lb):
-            out, mla = {}, lb.mla
+            out, g = {}, spec.group
             for al in alphas if do_C else ():
                 s = logs_C[al][lb.index].exp()
-                C_hat = quantized_content(lb.u, mla.gamma, spec.content_bits, s=s, group=spec.group)
-                out["C", al] = output_nmse(lb.output(C=C_hat), lb.Y)
+                out["C", al] = content_loss(lb, spec.content_bits, s=s, objective="output", group=g)
             for al in alphas if do_P else ():
-                M, M_inv = rope_key_maps(mla, LayerTransform(s_P=logs_P[al][lb.index].exp()))
-                K_hat = quantized_rope(lb.K_P, spec.rope_bits, M, M_inv, group=spec.group)
-                out["P", al] = output_nmse(lb.output(K_P=K_hat), lb.Y)
+                M, M_inv = rope_key_maps(lb.mla, LayerTransform(s_P=logs_P[al][lb.index].exp()))
+                out["P", al] = rope_loss(lb, spec.rope_bits, M, M_inv, objective="output", group=g)
             return out
 
-        means = heldout_mean(
-            model, heldout, cal.batch_size, losses, desc="SmoothQuant† α search", progress=ctx.progress
-        )
+        teacher = Teacher(model, heldout, cal.batch_size)
+        means = heldout_mean(teacher, losses, desc="SmoothQuant† α search", progress=ctx.progress)
         best = {}
         for path in ("C", "P"):
             scores = [(means[path, al], al) for al in alphas if (path, al) in means]

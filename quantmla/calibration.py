@@ -24,8 +24,17 @@ import torch
 from tqdm.auto import tqdm
 
 from quantmla.attention import LatentAttention, capture_inputs, latent_layers, layer_output
+from quantmla.cache import CacheSpec
 from quantmla.mla import MLA
-from quantmla.transforms import check_rope_pairing, rope_pairs, weightless
+from quantmla.transforms import (
+    LayerTransform,
+    check_rope_pairing,
+    quantized_content,
+    quantized_rope,
+    rope_key_maps,
+    rope_pairs,
+    weightless,
+)
 
 
 @dataclass
@@ -81,6 +90,66 @@ def layer_batches(model, ids: torch.Tensor, outputs: bool = True) -> Iterator[La
         yield lb
 
 
+class Teacher:
+    """Teacher pieces for a bank of windows, by batch.
+
+    Pieces are recomputed with one teacher forward per batch, unless the whole bank fits in
+    ``cache_bytes``: then they are computed once and kept (they do not depend on what is being
+    calibrated), and any subset of windows is served from memory.
+    """
+
+    def __init__(self, model, ids: torch.Tensor, batch_size: int, outputs: bool = True, cache_bytes: float = 0):
+        self.model, self.ids, self.batch_size, self.outputs = model, ids, batch_size, outputs
+        self.store: list[list[LayerBatch]] | None = None
+        if cache_bytes > 0 and len(ids):
+            probe = list(layer_batches(model, ids[:1], outputs))
+            per_window = sum(_nbytes(lb) for lb in probe)
+            if per_window * len(ids) <= cache_bytes and all(lb.mask is None for lb in probe):
+                self.store = [[] for _ in probe]
+                for batch in batches(ids, batch_size):
+                    for lb in layer_batches(model, batch, outputs):
+                        self.store[lb.index].extend(_split(lb))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def layers(self, idx: torch.Tensor) -> Iterator[LayerBatch]:
+        """Every layer's pieces for the windows ``idx`` of the bank."""
+        if self.store is None:
+            yield from layer_batches(self.model, self.ids[idx], self.outputs)
+            return
+        for per_window in self.store:
+            yield _cat([per_window[int(i)] for i in idx])
+
+    def __iter__(self) -> Iterator[tuple[int, Iterator[LayerBatch]]]:
+        """(windows, layers) for each batch of the bank, in order."""
+        for idx in batches(torch.arange(len(self.ids)), self.batch_size):
+            yield len(idx), self.layers(idx)
+
+
+_PIECES = ("q_nope", "Q_P", "C", "K_P", "u", "Y")
+
+
+def _nbytes(lb: LayerBatch) -> int:
+    return sum(t.numel() * t.element_size() for t in (getattr(lb, f) for f in _PIECES) if t is not None)
+
+
+def _split(lb: LayerBatch) -> list[LayerBatch]:
+    B = lb.q_nope.shape[0]
+    return [
+        LayerBatch(
+            lb.index, lb.layer, None, *(None if (t := getattr(lb, f)) is None else t[b : b + 1] for f in _PIECES)
+        )
+        for b in range(B)
+    ]
+
+
+def _cat(parts: list[LayerBatch]) -> LayerBatch:
+    first = parts[0]
+    pieces = [None if getattr(first, f) is None else torch.cat([getattr(p, f) for p in parts]) for f in _PIECES]
+    return LayerBatch(first.index, first.layer, None, *pieces)
+
+
 def check_pairing(model, n: int = 32) -> None:
     """Verify every layer's RoPE pairing on the model's own rotary code (before any calibration)."""
     vocab = model.config.vocab_size
@@ -107,40 +176,68 @@ def cache_nmse(c_hat: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return (c_hat.float() - c).pow(2).flatten(1).sum(1) / c.pow(2).flatten(1).sum(1).clamp_min(1e-30)
 
 
-def qk_gram(Q_P: torch.Tensor) -> torch.Tensor:
-    """G_j = Σ_h Σ_{i ≥ j} q_{h,i}ᵀ q_{h,i}: (B, n, d_r, d_r), float32.
+def qk_nmse(Q_P: torch.Tensor, K_P: torch.Tensor, K_hat: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """(B,) spec §5.2's L_P for one layer: all heads, all causal pairs (diagonal included), unscaled.
 
-    For any key error e_j, Σ_h Σ_{i ≥ j} (q_{h,i} · e_j)² = e_j G_j e_jᵀ, so the positional QK error
-    summed over all heads and causal pairs is Σ_j e_j G_j e_jᵀ: exact, with no n × n score matrix.
+    Chunked over query blocks. The score error is formed as Q_P (K̂_P − K_P)ᵀ, which equals
+    Q_P K̂_Pᵀ − Q_P K_Pᵀ without the cancellation of two large score matrices.
     """
-    outer = torch.einsum("bhid,bhie->bide", Q_P.float(), Q_P.float())
-    return outer.flip(1).cumsum(1).flip(1)
-
-
-def qk_nmse(G: torch.Tensor, K_P: torch.Tensor, K_hat: torch.Tensor) -> torch.Tensor:
-    """(B,) spec §5.2's L_P for one layer: causal, all heads, unscaled, from the Gram form of :func:`qk_gram`."""
-    K = K_P.float().squeeze(1)
-    e = K_hat.float().squeeze(1) - K
-    num = torch.einsum("bjd,bjde,bje->b", e, G, e)
-    den = torch.einsum("bjd,bjde,bje->b", K, G, K)
-    return num / den.clamp_min(1e-8)
-
-
-def qk_nmse_direct(Q_P: torch.Tensor, K_P: torch.Tensor, K_hat: torch.Tensor, chunk: int = 256) -> torch.Tensor:
-    """The same quantity computed from score matrices, chunked over query blocks (reference)."""
-    Q, K, Kh = Q_P.float(), K_P.float(), K_hat.float()
+    Q, K = Q_P.float(), K_P.float()
+    E = (K_hat.float() - K).transpose(-1, -2)
+    Kt = K.transpose(-1, -2)
     n = Q.shape[2]
-    num = torch.zeros(Q.shape[0], dtype=Q.dtype, device=Q.device)
-    den = torch.zeros_like(num)
     keys = torch.arange(n, device=Q.device)
+    num = den = 0.0
     for s in range(0, n, chunk):
         q = Q[:, :, s : s + chunk]
-        causal = keys.unsqueeze(0) <= torch.arange(s, s + q.shape[2], device=Q.device).unsqueeze(1)
-        Z = (q @ K.transpose(-1, -2)) * causal
-        Zh = (q @ Kh.transpose(-1, -2)) * causal
-        num = num + (Zh - Z).pow(2).sum((1, 2, 3))
-        den = den + Z.pow(2).sum((1, 2, 3))
+        future = keys.unsqueeze(0) > torch.arange(s, s + q.shape[2], device=Q.device).unsqueeze(1)
+        num = num + (q @ E).masked_fill(future, 0.0).pow(2).sum((1, 2, 3))
+        with torch.no_grad():
+            den = den + (q @ Kt).masked_fill(future, 0.0).pow(2).sum((1, 2, 3))
     return num / den.clamp_min(1e-8)
+
+
+def _to(t: torch.Tensor | None, device) -> torch.Tensor | None:
+    return None if t is None else t.to(device)
+
+
+def content_loss(
+    lb: LayerBatch,
+    bits: int,
+    R: torch.Tensor | None = None,
+    s: torch.Tensor | None = None,
+    content: bool = True,
+    objective: str = "output",
+    group: int = 64,
+    ste: bool = False,
+) -> torch.Tensor:
+    """(B,) content-path loss with the RoPE path exact: L_C (``output``) or plain ``cache_mse``."""
+    R, s = _to(R, lb.u.device), _to(s, lb.u.device)
+    C_hat = quantized_content(lb.u, lb.mla.gamma, bits, R, s, content, group, ste)
+    if objective == "output":
+        return output_nmse(lb.output(C=C_hat), lb.Y)
+    if objective == "cache_mse":
+        return cache_nmse(C_hat, lb.C)
+    raise ValueError(f"unknown content objective '{objective}'")
+
+
+def rope_loss(
+    lb: LayerBatch,
+    bits: int,
+    M: torch.Tensor | None = None,
+    M_inv: torch.Tensor | None = None,
+    objective: str = "qk",
+    group: int = 64,
+    ste: bool = False,
+) -> torch.Tensor:
+    """(B,) RoPE-path loss with the content path exact: L_P (``qk``) or the attention ``output`` NMSE."""
+    M, M_inv = _to(M, lb.K_P.device), _to(M_inv, lb.K_P.device)
+    K_hat = quantized_rope(lb.K_P, bits, M, M_inv, group, ste)
+    if objective == "qk":
+        return qk_nmse(lb.Q_P, lb.K_P, K_hat)
+    if objective == "output":
+        return output_nmse(lb.output(K_P=K_hat), lb.Y)
+    raise ValueError(f"unknown RoPE objective '{objective}'")
 
 
 # ----- statistics -------------------------------------------------------------------------------
@@ -209,22 +306,44 @@ def alpha_log_scales(a: torch.Tensor, alpha: float, clip: float = 2.0) -> torch.
 
 @torch.no_grad()
 def heldout_mean(
-    model,
-    ids: torch.Tensor,
-    batch_size: int,
-    fn: Callable[[LayerBatch], dict],
-    outputs: bool = True,
-    desc: str = "held-out",
-    progress: bool = True,
+    teacher: Teacher, fn: Callable[[LayerBatch], dict], desc: str = "held-out", progress: bool = True
 ) -> dict:
     """Mean over windows and layers of the per-sample losses ``fn`` returns for each layer batch."""
     sums: dict = {}
     count = 0
-    for batch in tqdm(list(batches(ids, batch_size)), desc=desc, unit="batch", disable=not progress, leave=False):
-        layers = 0
-        for lb in layer_batches(model, batch, outputs=outputs):
+    n_batches = -(-len(teacher) // teacher.batch_size)
+    for windows, layers in tqdm(teacher, total=n_batches, desc=desc, unit="batch", disable=not progress, leave=False):
+        n_layers = 0
+        for lb in layers:
             for k, v in fn(lb).items():
                 sums[k] = sums.get(k, 0.0) + float(v.sum())
-            layers += 1
-        count += len(batch) * layers
+            n_layers += 1
+        count += windows * n_layers
     return {k: v / count for k, v in sums.items()}
+
+
+def transform_objectives(
+    model,
+    ids: torch.Tensor,
+    batch_size: int,
+    transforms: list[LayerTransform],
+    spec: CacheSpec,
+    content_objective: str = "output",
+    rope_objective: str = "qk",
+    progress: bool = False,
+) -> dict:
+    """Held-out path objectives of per-layer transforms on the unfused model (each path with the other
+    exact): ``L_C`` at the spec's content bits and ``L_P`` at its RoPE bits. Any method's transforms
+    (an empty :class:`LayerTransform` is RTN) are comparable this way."""
+
+    def fn(lb: LayerBatch) -> dict:
+        t, out = transforms[lb.index], {}
+        if spec.content_bits < 16:
+            out["L_C"] = content_loss(lb, spec.content_bits, t.R_C, t.s_C, t.content, content_objective, spec.group)
+        if spec.rope_bits < 16:
+            M, M_inv = rope_key_maps(lb.mla, t)
+            out["L_P"] = rope_loss(lb, spec.rope_bits, M, M_inv, rope_objective, spec.group)
+        return out
+
+    need_y = content_objective == "output" or rope_objective == "output"
+    return heldout_mean(Teacher(model, ids, batch_size, need_y), fn, desc="objectives", progress=progress)

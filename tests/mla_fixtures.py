@@ -106,13 +106,17 @@ CONTENT_OUTLIERS = (3, 77)  # one loud latent channel in each 64-channel group o
 ROPE_OUTLIER_ROWS = (10, 11)  # weight-space frequency pair 5 of the pre-RoPE key
 
 
-def planted_outliers(seed: int = 0, content_gain: float = 20.0, rope_gain: float = 8.0):
+def planted_outliers(seed: int = 0, content_gain: float = 20.0, rope_gain: float = 8.0, consumer_gain: float = 0.25):
     """The `tiny` DeepseekV2 with outlier channels planted in its real projections.
 
     In every layer the producer rows of two latent channels (one per quantization group) are
     scaled by ``content_gain`` and the pre-RoPE key rows of one frequency pair by ``rope_gain``,
     so the captured u, C and post-RoPE K_P carry outlier channels the way trained MLA models do
-    (data flows through the real embedding, norms and projections). Γ is randomized.
+    (data flows through the real embedding, norms and projections). Γ is randomized. The
+    ``kv_b_proj`` columns reading the loud latent channels are scaled by ``consumer_gain``: loud
+    channels matter less per unit for the output, so the output's sensitivity is not isotropic in
+    the latent (the premise of the paper's function-aligned objective, spec §2.3); with
+    ``consumer_gain=1`` a random consumer makes cache and output errors nearly proportional.
     """
     model, tok = build(tiny_config(), seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
@@ -122,6 +126,7 @@ def planted_outliers(seed: int = 0, content_gain: float = 20.0, rope_gain: float
             d_c = a.kv_lora_rank
             a.kv_a_proj_with_mqa.weight[list(CONTENT_OUTLIERS)] *= content_gain
             a.kv_a_proj_with_mqa.weight[[d_c + r for r in ROPE_OUTLIER_ROWS]] *= rope_gain
+            a.kv_b_proj.weight[:, list(CONTENT_OUTLIERS)] *= consumer_gain
             a.kv_a_layernorm.weight.copy_(torch.exp(0.3 * torch.randn(d_c, generator=g)))
     layers = attention.install(model, CacheSpec())
     return model, tok, layers
