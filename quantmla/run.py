@@ -206,7 +206,7 @@ def validate_argv(argv: list[str]) -> None:
     from hydra.errors import HydraException
 
     overrides = [a for a in argv if not a.startswith("-") and "=" in a]
-    groups = ("model", "method", "bits", "eval", "logger", "experiment")
+    groups = ("model", "method", "bits", "eval", "logger", "experiment", "row")
     job_overrides = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
     try:
         jobs = _sweep_jobs(job_overrides)
@@ -217,13 +217,30 @@ def validate_argv(argv: list[str]) -> None:
             key, _, value = o.lstrip("+~").partition("=")
             if key in groups and value not in group_options(key) and value != "null":
                 raise ConfigError(f"unknown {key} '{value}'; choose one of: {', '.join(group_options(key))}")
+    multirun = any(a in ("-m", "--multirun") for a in argv)
     with initialize_config_dir(str(conf_dir()), version_base="1.3"):
         for job in jobs:
-            try:
-                cfg = compose("run", overrides=job)
-            except HydraException as e:
-                raise ConfigError(str(e).strip().splitlines()[0]) from None
-            plan(cfg)
+            for sub in _config_sweep(job) if multirun else [job]:
+                try:
+                    cfg = compose("run", overrides=sub)
+                except HydraException as e:
+                    raise ConfigError(str(e).strip().splitlines()[0]) from None
+                plan(cfg)
+
+
+def _config_sweep(job: list[str]) -> list[list[str]]:
+    """The jobs a sweep's ``hydra.sweeper.params`` (set by an experiment file) adds to ``job``;
+    keys given on the command line win, as in Hydra's basic sweeper."""
+    from hydra import compose
+    from hydra.errors import HydraException
+
+    try:
+        params = compose("run", overrides=job, return_hydra_config=True).hydra.sweeper.get("params") or {}
+    except HydraException as e:
+        raise ConfigError(str(e).strip().splitlines()[0]) from None
+    given = {o.lstrip("+~").partition("=")[0] for o in job}
+    extra = [f"{k}={v}" for k, v in params.items() if k.lstrip("+~") not in given]
+    return [job + sub for sub in _sweep_jobs(extra)] if extra else [job]
 
 
 def cli(argv: list[str] | None = None) -> None:

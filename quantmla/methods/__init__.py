@@ -99,3 +99,4 @@ def get(config: MethodConfig) -> Method:
 
 def _load_builtin() -> None:
     import baselines  # noqa: F401  (registers RTN and the baselines)
+    from quantmla.methods import quantmla  # noqa: F401  (registers QuantMLA)
