@@ -166,6 +166,10 @@ def test_reduced_budget_calibration_through_the_harness(tmp_path):
     assert m4["method"]["cached_P"] == 0 and m2["method"]["cached_P"] == 1
     assert m4["method"]["fusion_nll_drift"] < 1e-4
     assert len(list((tmp_path / ".transforms" / "quantmla").glob("*/transforms.safetensors"))) == 3
+    from analysis.table import frame
+
+    df = frame(tmp_path / "quantmla")  # settings that differ from conf/method/quantmla.yaml label the rows
+    assert sorted(df["bits"]) == ["C2R4", "C4R4"] and set(df["variant"]) == {"steps=4 val_every=2"}
 
 
 def test_table3_ablation_sweep_composes_the_papers_rows():

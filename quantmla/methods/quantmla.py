@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from quantmla.calibration import (
@@ -228,7 +229,7 @@ def model_fingerprint(model, name: str = "") -> str:
         for pname, p in model.named_parameters():
             t = p.detach().flatten()
             edges = torch.cat([t[:32], t[-32:]]).float().cpu()
-            h.update(f"{pname}|{tuple(p.shape)}|{p.dtype}|{float(t.double().sum()):.6e}".encode())
+            h.update(f"{pname}|{tuple(p.shape)}|{p.dtype}|{float(t.sum(dtype=torch.float64)):.6e}".encode())
             h.update(edges.numpy().tobytes())
     return h.hexdigest()
 
@@ -276,6 +277,9 @@ class QuantMLA(Method):
         f = folder / "transforms.safetensors"
         if not (self.config.cache and f.exists()):
             return None
+        with safe_open(str(f), "pt") as handle:
+            if (handle.metadata() or {}).get("key") != key:
+                return None
         state = load_file(f)
         n = 1 + max(int(k.split(".")[0]) for k in state)
         return [{k.split(".", 1)[1]: v for k, v in state.items() if k.split(".")[0] == str(i)} for i in range(n)]
