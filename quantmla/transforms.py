@@ -14,7 +14,7 @@ Every method describes what it does to one layer with a :class:`LayerTransform`:
   It runs in :class:`~quantmla.attention.LatentAttention` (``rope_transform``).
 
 :func:`fuse` folds a transform into one layer through its adapter, in float32, then casts back
-to the weight dtype. :func:`quantized_content` and :func:`quantized_rope` give the caches a
+to the weight dtype (float64 weights are fused in float64). :func:`quantized_content` and :func:`quantized_rope` give the caches a
 quantized fused layer effectively uses, mapped back to native coordinates: this is the
 training-time forward of spec §4.1/§4.2, which equals the fused model with QDQ inserted.
 
@@ -209,6 +209,16 @@ def check_rope_pairing(mla: MLA, position_embeddings, tol: float = 1e-4, seed: i
 
 
 # ----- offline fusion ---------------------------------------------------------------------------
+def _work(param: torch.Tensor):
+    """Cast to the fusion's working precision on ``param``'s device: float32, or float64 for float64 weights."""
+    dtype = torch.float64 if param.dtype == torch.float64 else torch.float32
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to(device=param.device, dtype=dtype)
+
+    return cast
+
+
 def _write(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     with torch.no_grad():
         param.copy_(value.to(param.dtype))
@@ -218,19 +228,19 @@ def fuse_content(mla: MLA, R: torch.Tensor | None = None, s: torch.Tensor | None
     """Eq. 22: W_a' = W_a R (bias too), Γ' = S, W_b' = S^-1 R^T Γ W_b. Γ is folded into kv_b_proj."""
     d_c = mla.dims.d_c
     kva, kvb, norm = mla.kv_a_proj_with_mqa, mla.kv_b_proj, mla.kv_a_layernorm
-    dev = kva.weight.device
-    g = mla.gamma.detach().float()
-    R = None if R is None else R.detach().float().to(dev)
-    s = torch.ones(d_c, device=dev) if s is None else s.detach().float().to(dev)
+    w = _work(kva.weight)
+    g = w(mla.gamma)
+    R = None if R is None else w(R)
+    s = w(torch.ones(d_c)) if s is None else w(s)
     if R is not None:
-        W = kva.weight.detach().float().clone()
+        W = w(kva.weight).clone()
         W[:d_c] = R.T @ W[:d_c]
         _write(kva.weight, W)
         if kva.bias is not None:
-            b = kva.bias.detach().float().clone()
+            b = w(kva.bias).clone()
             b[:d_c] = b[:d_c] @ R
             _write(kva.bias, b)
-    Wb = kvb.weight.detach().float() * g  # W_b^T diag... : weight' = weight · diag(γ) R diag(1/s)
+    Wb = w(kvb.weight) * g  # weight' = weight · diag(γ) R diag(1/s)
     if R is not None:
         Wb = Wb @ R
     _write(kvb.weight, Wb / s)
@@ -240,26 +250,26 @@ def fuse_content(mla: MLA, R: torch.Tensor | None = None, s: torch.Tensor | None
 def fuse_rope(mla: MLA, theta: torch.Tensor | None = None, s: torch.Tensor | None = None) -> None:
     """Eq. 25 in weight space: pre-RoPE key rows ← (R_P S_P)^T ·, every head's query rows ← (R_P S_P^-1)^T ·."""
     d, (pre, _) = mla.dims, rope_pairs(mla)
-    dev = mla.kv_a_proj_with_mqa.weight.device
+    w = _work(mla.kv_a_proj_with_mqa.weight)
     th = None if theta is None else theta.detach().double()
     sc = None if s is None else s.detach().double()
-    M_K = pair_matrix(pre, d.d_r, th, sc).float().to(dev)
-    M_Q = pair_matrix(pre, d.d_r, th, sc, inverse_scale=True).float().to(dev)
+    M_K = w(pair_matrix(pre, d.d_r, th, sc))
+    M_Q = w(pair_matrix(pre, d.d_r, th, sc, inverse_scale=True))
     kva = mla.kv_a_proj_with_mqa
-    W = kva.weight.detach().float().clone()
+    W = w(kva.weight).clone()
     W[d.d_c :] = M_K.T @ W[d.d_c :]
     _write(kva.weight, W)
     if kva.bias is not None:
-        b = kva.bias.detach().float().clone()
+        b = w(kva.bias).clone()
         b[d.d_c :] = b[d.d_c :] @ M_K
         _write(kva.bias, b)
     qp = mla.q_rope_proj
-    rows = mla.q_rope_rows().to(dev)
-    Wq = qp.weight.detach().float().clone()
+    rows = mla.q_rope_rows().to(qp.weight.device)
+    Wq = w(qp.weight).clone()
     Wq[rows] = (M_Q.T @ Wq[rows].view(d.H, d.d_r, -1)).flatten(0, 1)
     _write(qp.weight, Wq)
     if qp.bias is not None:
-        bq = qp.bias.detach().float().clone()
+        bq = w(qp.bias).clone()
         bq[rows] = (bq[rows].view(d.H, d.d_r) @ M_Q).flatten()
         _write(qp.bias, bq)
 
@@ -270,7 +280,7 @@ def set_online_rope(mla: MLA, H: torch.Tensor | None) -> None:
 
     if not isinstance(mla.module, LatentAttention):
         raise TypeError("an online post-RoPE transform needs the harness attention: call quantmla.attention.install")
-    mla.module.rope_transform = None if H is None else H.detach().float().to(mla.kv_a_proj_with_mqa.weight.device)
+    mla.module.rope_transform = None if H is None else _work(mla.kv_a_proj_with_mqa.weight)(H)
 
 
 def fuse(mla: MLA, t: LayerTransform) -> None:

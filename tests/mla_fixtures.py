@@ -79,11 +79,38 @@ def random_glm(seed: int = 0):
     return _randomize(Glm4MoeLiteForCausalLM(cfg).eval(), seed + 100), byte_tokenizer()
 
 
+def random_longcat(seed: int = 0):
+    """LongcatFlash-shaped: two MLA modules in its one layer, q-LoRA, and the constant latent scalars
+    mla_scale_q_lora = sqrt(512/64) and mla_scale_kv_lora = sqrt(512/128) = 2 that fusion must respect."""
+    from transformers import LongcatFlashConfig, LongcatFlashForCausalLM
+
+    drop = (
+        "n_routed_experts",
+        "n_shared_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "num_key_value_heads",
+    )
+    kw = {k: v for k, v in _common(q_lora_rank=64, hidden_size=512).items() if k not in drop}
+    cfg = LongcatFlashConfig(
+        **kw,
+        num_layers=1,
+        n_routed_experts=4,
+        moe_topk=2,
+        zero_expert_num=1,
+        expert_ffn_hidden_size=64,
+        ffn_hidden_size=256,
+    )
+    torch.manual_seed(seed)
+    return _randomize(LongcatFlashForCausalLM(cfg).eval(), seed + 100), byte_tokenizer()
+
+
 FAMILIES = {
     "tiny": tiny_v2,
     "v3": random_v3,
     "v3_half": lambda seed=0: random_v3(seed, interleave=False),
     "glm": random_glm,
+    "longcat": random_longcat,
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -16,12 +17,10 @@ from quantmla.transforms import (
     block_hadamard,
     cayley,
     check_rope_pairing,
-    from_state,
     fuse,
     hadamard,
     interleaved_order,
     pair_matrix,
-    to_state,
 )
 
 
@@ -90,13 +89,14 @@ def test_a_wrong_pairing_is_detected():
 
 
 def _random_transform(d, g, online=False):
-    half = d.d_r // 2
+    """Far from identity: a random Cayley rotation, scales e^N(0,1), any angles (built in float64)."""
+    half, f64 = d.d_r // 2, torch.float64
     return LayerTransform(
-        R_C=cayley(torch.randn(d.d_c, d.d_c, generator=g) * 0.3),
-        s_C=torch.exp(torch.randn(d.d_c, generator=g)),
-        theta_P=None if online else torch.rand(half, generator=g) * 2 * math.pi,
-        s_P=None if online else torch.exp(torch.randn(half, generator=g)),
-        H_P=cayley(torch.randn(d.d_r, d.d_r, generator=g)) if online else None,
+        R_C=cayley(torch.randn(d.d_c, d.d_c, generator=g, dtype=f64) * 0.3),
+        s_C=torch.exp(torch.randn(d.d_c, generator=g, dtype=f64)),
+        theta_P=None if online else torch.rand(half, generator=g, dtype=f64) * 2 * math.pi,
+        s_P=None if online else torch.exp(torch.randn(half, generator=g, dtype=f64)),
+        H_P=cayley(torch.randn(d.d_r, d.d_r, generator=g, dtype=f64)) if online else None,
     )
 
 
@@ -110,13 +110,45 @@ def test_fusing_random_transforms_keeps_the_logits(family, online):
         ref = model(ids, use_cache=False).logits
     g = torch.Generator().manual_seed(1)
     ts = [_random_transform(a.dims, g, online) for a in mla.adapters(model)]
-    state = to_state(ts)
-    for a, t in zip(mla.adapters(model), from_state(state, len(ts))):
+    for a, t in zip(mla.adapters(model), ts):
         fuse(a, t)
     with torch.no_grad():
         out = model(ids, use_cache=False).logits
     assert (out - ref).abs().max() <= 1e-4
-    assert (layers[0].kv_a_layernorm.weight - ts[0].s_C / layers[0].mla.kv_scale).abs().max() < 1e-6
+    assert (layers[0].kv_a_layernorm.weight - ts[0].s_C.float() / layers[0].mla.kv_scale).abs().max() < 1e-6
+
+
+def _attention_terms(layer, x, pe):
+    """Per-head content scores, positional scores and values of one layer, in float64."""
+    a = layer.mla
+    q_nope, q_pe = a.queries(x)
+    c_pre, k_pre = a.latent_pre(x)
+    Q_P, K_P = a.rope(q_pe, k_pre, pe)
+    if layer.rope_transform is not None:
+        Q_P, K_P = Q_P @ layer.rope_transform, K_P @ layer.rope_transform
+    C = a.content(c_pre).double()
+    content = torch.einsum("bhnd,hdc,bmc->bhnm", q_nope.double(), a.W_UK().double(), C.squeeze(1))
+    positional = Q_P.double() @ K_P.double().transpose(-1, -2)
+    values = torch.einsum("bmc,hvc->bhmv", C.squeeze(1), a.W_UV().double())
+    return content, positional, values
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("online", [False, True])
+def test_fusion_algebra_is_exact_in_float64(family, online):
+    """The fused layer's scores and values equal the original's in float64 (no fp32 round-off to hide
+    a small algebra slip); DeepseekV2's own RoPE computes in float32, so its positional scores only
+    reach that precision."""
+    model, _, layers = installed(family)
+    inp = capture_inputs(model, torch.arange(3, 60).unsqueeze(0))[0]
+    pe = inp.position_embeddings
+    pe = type(pe)(t.double() for t in pe) if isinstance(pe, tuple) else pe.to(torch.complex128)
+    x = torch.randn(2, 57, model.config.hidden_size, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    original = copy.deepcopy(layers[0]).double()
+    fused = copy.deepcopy(layers[0]).double()
+    fuse(fused.mla, _random_transform(fused.mla.dims, torch.Generator().manual_seed(1), online))
+    for ref, got in zip(_attention_terms(original, x, pe), _attention_terms(fused, x, pe)):
+        assert (got - ref).abs().max() <= 1e-6 * ref.abs().max()
 
 
 def test_percentile_is_exact():

@@ -33,7 +33,7 @@ def _ctx(tok, bits, cache_dir, calibration=None):
     )
 
 
-@pytest.mark.parametrize("family", ["tiny", "v3", "glm"])
+@pytest.mark.parametrize("family", ["tiny", "v3", "glm", "longcat"])
 def test_fused_logits_equal_the_original_after_calibration(family, tmp_path):
     """Spec §4.3 after a real calibration whose transforms end far from identity (large learning
     rates, last step kept): quantization off, fused logits equal the original's (fp32, 1e-4)."""

@@ -170,8 +170,10 @@ class ContentPath:
                 dst.copy_(src)
 
     def transforms(self) -> list[dict]:
+        """The selected R_C and s_C; R_C is solved once more in float64 so the fused rotation is orthogonal
+        to round-off (training solves in float32, spec §9 item 6)."""
         with torch.no_grad():
-            return [{"R_C": cayley(self.P[i]), "s_C": self.scale(i)} for i in range(len(self.P))]
+            return [{"R_C": cayley(self.P[i].double()).float(), "s_C": self.scale(i)} for i in range(len(self.P))]
 
 
 class RopePath:
