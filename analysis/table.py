@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pandas as pd
+import yaml
 
 from quantmla.tracking import read_runs
 
@@ -24,6 +25,28 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def _nested(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_nested(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _variant(method: dict) -> str:
+    """The method settings of a run that differ from its conf/method/<name>.yaml (e.g. an ablation switch)."""
+    from quantmla.run import conf_dir
+
+    path = conf_dir() / "method" / f"{method.get('name')}.yaml"
+    if not path.exists():
+        return ""
+    default = _nested(yaml.safe_load(path.read_text()) or {})
+    got = _nested(method)
+    return " ".join(f"{k}={got[k]}" for k in sorted(got) if k not in ("_target_", "name") and default.get(k) != got[k])
+
+
 def _bits_key(name: str) -> tuple:
     c, r = name.lower().lstrip("c").split("r")
     return (-int(c), -int(r))
@@ -40,6 +63,7 @@ def frame(root: str | Path) -> pd.DataFrame:
         row = {
             "model": c["model"]["name"],
             "method": c["method"]["name"],
+            "variant": _variant(c["method"]),
             "bits": c["bits"]["name"].upper(),
             "protect": bool(c.get("protect", {}).get("enabled", False)) and quantized,
         }
@@ -51,7 +75,10 @@ def frame(root: str | Path) -> pd.DataFrame:
         rows.append(row)
     if not rows:
         return pd.DataFrame(columns=list(KEYS))
-    df = pd.DataFrame(rows).groupby(list(KEYS), sort=False, dropna=False).first().reset_index()
+    keys = list(KEYS[:2]) + ["variant"] + list(KEYS[2:])  # runs of one method with other settings stay apart
+    df = pd.DataFrame(rows).groupby(keys, sort=False, dropna=False).first().reset_index()
+    if not df["variant"].astype(bool).any():
+        df = df.drop(columns=["variant"])
     df["_m"] = df["method"].map(lambda m: METHOD_ORDER.index(m) if m in METHOD_ORDER else len(METHOD_ORDER))
     df["_b"] = df["bits"].map(_bits_key)
     df = df.sort_values(["model", "_b", "_m", "method", "protect"]).drop(columns=["_m", "_b"])

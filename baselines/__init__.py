@@ -1,3 +1,3 @@
 """Baselines adapted to MLA (spec §6), registered in :mod:`quantmla.methods`."""
 
-from baselines import rtn  # noqa: F401
+from baselines import quarot, rtn, smoothquant  # noqa: F401

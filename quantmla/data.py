@@ -9,6 +9,8 @@ is ``train`` (calibration). Nothing trained or calibrated by the project reads `
 ``news``: the 299 news articles of the Lee background corpus shipped in the same wheel
 (``lee_background.cor``, one article per line), a web-text stand-in for C4 where the
 sensitivity study wants a second corpus; split the same way (every fifth article is ``test``).
+
+:class:`CalibrationData` draws the calibration banks (spec §5.6, §9 item 9).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import bz2
 import html
 import importlib.util
 import re
+from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -142,3 +145,98 @@ def windows(stream: torch.Tensor, seq_len: int, count: int | None = None, seed: 
         return w[:count]
     g = torch.Generator().manual_seed(seed)
     return w[torch.randperm(total, generator=g)[:count]]
+
+
+_STREAMS: dict[tuple, torch.Tensor] = {}
+_PROBE = "Calibration probe: The quick brown fox jumps over 13 lazy dogs. Ünïcödé — 東京."
+
+
+def _tokenizer_key(tokenizer) -> tuple:
+    ids = tokenizer(_PROBE, add_special_tokens=False, verbose=False).input_ids
+    return type(tokenizer).__name__, getattr(tokenizer, "name_or_path", ""), len(tokenizer), tuple(ids)
+
+
+@dataclass
+class CalibrationData:
+    """The calibration banks of spec §5.6 / §9 item 9: disjoint train and held-out windows.
+
+    ``source`` is a packaged corpus (``wiki``: the training articles, the offline stand-in
+    for WikiText-2 train) or a path to a text file or a folder of ``*.txt`` files (e.g. a
+    local WikiText-2 ``wiki.train.raw``). The text is tokenized as one stream and
+    ``train + heldout`` random non-overlapping windows of ``seq_len`` tokens are drawn with
+    ``seed``: the first ``train`` form the train bank, the rest the held-out bank.
+    Defaults are the paper's: 128 + 32 windows of 2048 tokens, batch 4, seed 0.
+    """
+
+    source: str = "wiki"
+    split: str = "train"
+    seq_len: int = 2048
+    train: int = 128
+    heldout: int = 32
+    batch_size: int = 4
+    seed: int = 0
+
+    def __post_init__(self):
+        for what in ("seq_len", "train", "heldout", "batch_size"):
+            if int(getattr(self, what)) < 1:
+                raise ValueError(f"calibration {what} must be at least 1, got {getattr(self, what)}")
+        if self.seq_len < 2:
+            raise ValueError(f"calibration seq_len must be at least 2, got {self.seq_len}")
+        if self.source in TEXT_SOURCES and self.split == "test":
+            raise ValueError(f"calibration must not read the '{self.source}' test split (it is the evaluation text)")
+
+    def texts(self) -> list[str]:
+        """The documents to calibrate on; DataUnavailable with the reason if there are none."""
+        if self.source in TEXT_SOURCES:
+            try:
+                docs = texts(self.source, self.split)
+            except DataUnavailable as e:
+                raise DataUnavailable(f"no calibration data available: {e}") from None
+        else:
+            p = Path(self.source).expanduser()
+            if not p.exists():
+                raise DataUnavailable(
+                    f"no calibration data available: '{self.source}' is neither a packaged corpus "
+                    f"({', '.join(TEXT_SOURCES)}) nor an existing file or folder"
+                )
+            files = sorted(p.glob("*.txt")) if p.is_dir() else [p]
+            docs = [f.read_text(encoding="utf-8", errors="replace") for f in files]
+        docs = [d for d in docs if d.strip()]
+        if not docs:
+            raise DataUnavailable(f"no calibration data available: '{self.source}' ({self.split}) holds no text")
+        return docs
+
+    def check(self) -> None:
+        """Cheap check that the text exists (no tokenizer needed)."""
+        self.texts()
+
+    def stream(self, tokenizer) -> torch.Tensor:
+        """The tokenized text, kept in memory for the next calibration of this process."""
+        key = (self.source, self.split, _tokenizer_key(tokenizer))
+        if key not in _STREAMS:
+            docs = self.texts()
+            _STREAMS.clear()
+            _STREAMS[key] = token_stream(tokenizer, docs)
+        return _STREAMS[key]
+
+    def banks(self, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+        """(train, heldout) token windows, shapes (train, seq_len) and (heldout, seq_len)."""
+        stream = self.stream(tokenizer)
+        n = stream.numel()
+        if self.seq_len > n:
+            raise ValueError(
+                f"calibration sequence length {self.seq_len} is longer than the data "
+                f"({n} tokens in '{self.source}' {self.split})"
+            )
+        total = n // self.seq_len
+        need = self.train + self.heldout
+        if need > total:
+            raise ValueError(
+                f"calibration needs {self.train} + {self.heldout} windows of {self.seq_len} tokens but "
+                f"'{self.source}' {self.split} holds only {total} ({n} tokens)"
+            )
+        w = windows(stream, self.seq_len, need, self.seed)
+        return w[: self.train], w[self.train :]
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -43,6 +43,7 @@ def group_options(group: str) -> list[str]:
 
 def make(node):
     """Instantiate a config group node, dropping its display ``name`` where the class has no such field."""
+    from hydra.errors import InstantiationException
     from hydra.utils import get_class, instantiate
 
     node = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
@@ -53,7 +54,12 @@ def make(node):
         node.pop("name")
         if getattr(cls, "name", name) != name:
             raise ConfigError(f"config name '{name}' does not match {cls.__name__}.name '{cls.name}'")
-    return instantiate(node)
+    try:
+        return instantiate(node)
+    except InstantiationException as e:  # report the target's own error (one line), not Hydra's wrapper
+        if isinstance(e.__cause__, Exception):
+            raise e.__cause__ from None
+        raise
 
 
 @dataclass
@@ -64,12 +70,14 @@ class Plan:
     spec: object
     eval: object
     logger: object
+    calibration: object
 
 
 def plan(cfg: DictConfig) -> Plan:
     """Build and validate everything a run needs, loading no model."""
     from quantmla import methods
     from quantmla.cache import CacheSpec
+    from quantmla.data import CalibrationData
 
     try:
         model = make(cfg.model)
@@ -84,9 +92,13 @@ def plan(cfg: DictConfig) -> Plan:
         method = methods.get(method_cfg)
         ev = make(cfg.eval)
         logger = make(cfg.logger)
+        calibration = CalibrationData(**OmegaConf.to_container(cfg.calibration, resolve=True))
         d_c, d_r = model.check()
         spec.check_dims(d_c, d_r)
         method.check(spec)
+        method.check_dims(d_c, d_r)
+        if method.needs_data:
+            calibration.check()
         ev.check()
         ev.check_model(model.hf_config())
     except ConfigError:
@@ -94,7 +106,7 @@ def plan(cfg: DictConfig) -> Plan:
     except Exception as e:  # noqa: BLE001 - every validation failure becomes one line
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(msg) from e
-    return Plan(cfg, model, method, spec, ev, logger)
+    return Plan(cfg, model, method, spec, ev, logger, calibration)
 
 
 def run(cfg: DictConfig) -> dict:
@@ -132,6 +144,8 @@ def run(cfg: DictConfig) -> dict:
                 model_name=p.model.name,
                 device=device,
                 cache_dir=Path(cfg.runs_dir) / ".transforms",
+                calibration=p.calibration,
+                progress=sys.stderr.isatty(),
             ),
         )
         for layer in layers:
@@ -143,6 +157,8 @@ def run(cfg: DictConfig) -> dict:
             work_dir=str(record.dir),
         )
         metrics = p.eval.run(model, tokenizer, ctx)
+        if p.method.info:
+            metrics["method"] = p.method.info
         record.finish(metrics)
         p.logger.log(metrics)
         ok = True
@@ -192,7 +208,7 @@ def validate_argv(argv: list[str]) -> None:
     from hydra.errors import HydraException
 
     overrides = [a for a in argv if not a.startswith("-") and "=" in a]
-    groups = ("model", "method", "bits", "eval", "logger", "experiment")
+    groups = ("model", "method", "bits", "eval", "logger", "calibration", "experiment", "row")
     job_overrides = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
     try:
         jobs = _sweep_jobs(job_overrides)
@@ -204,13 +220,30 @@ def validate_argv(argv: list[str]) -> None:
             if key in groups and value not in group_options(key) and value != "null":
                 hint = f" (any other CxRy: bits.name={value})" if key == "bits" else ""
                 raise ConfigError(f"unknown {key} '{value}'; choose one of: {', '.join(group_options(key))}{hint}")
+    multirun = any(a in ("-m", "--multirun") for a in argv)
     with initialize_config_dir(str(conf_dir()), version_base="1.3"):
         for job in jobs:
-            try:
-                cfg = compose("run", overrides=job)
-            except HydraException as e:
-                raise ConfigError(str(e).strip().splitlines()[0]) from None
-            plan(cfg)
+            for sub in _config_sweep(job) if multirun else [job]:
+                try:
+                    cfg = compose("run", overrides=sub)
+                except HydraException as e:
+                    raise ConfigError(str(e).strip().splitlines()[0]) from None
+                plan(cfg)
+
+
+def _config_sweep(job: list[str]) -> list[list[str]]:
+    """The jobs a sweep's ``hydra.sweeper.params`` (set by an experiment file) adds to ``job``;
+    keys given on the command line win, as in Hydra's basic sweeper."""
+    from hydra import compose
+    from hydra.errors import HydraException
+
+    try:
+        params = compose("run", overrides=job, return_hydra_config=True).hydra.sweeper.get("params") or {}
+    except HydraException as e:
+        raise ConfigError(str(e).strip().splitlines()[0]) from None
+    given = {o.lstrip("+~").partition("=")[0] for o in job}
+    extra = [f"{k}={v}" for k, v in params.items() if k.lstrip("+~") not in given]
+    return [job + sub for sub in _sweep_jobs(extra)] if extra else [job]
 
 
 def cli(argv: list[str] | None = None) -> None:

@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 from quantmla.run import ConfigError, conf_dir, group_options, plan
 from quantmla.tracking import RunRecord, run_id
 
-GROUPS = ("model", "method", "bits", "eval", "logger")
+GROUPS = ("model", "method", "bits", "eval", "logger", "calibration")
 OFFLINE_ONLY = "not available offline"
 
 
@@ -45,6 +45,8 @@ def tiny_folder(tmp_path_factory):
 @pytest.mark.parametrize("group,option", list(_all_options()))
 def test_every_config_composes_and_validates(group, option, tmp_path, tiny_folder):
     extra = [f"model.path={tiny_folder}"] if (group, option) == ("model", "local") else []
+    if group == "experiment":  # paper tables name real checkpoints: validate them on tiny
+        extra = ["model=tiny"]
     cfg = _compose(f"{group}={option}", f"runs_dir={tmp_path}", *extra)
     assert cfg is not None
     try:
@@ -52,7 +54,8 @@ def test_every_config_composes_and_validates(group, option, tmp_path, tiny_folde
     except ConfigError as e:
         # the only acceptable refusals: the paper's checkpoints are not on this machine, and
         # the paper's RULER lengths (up to 32K) do not fit the 4K context of the tiny model
-        expected = {"model": OFFLINE_ONLY, "eval": "exceeds the model's context"}
+        context = "exceeds the model's context"
+        expected = {"model": OFFLINE_ONLY, "eval": context, "experiment": context}
         assert group in expected and expected[group] in str(e), str(e)
 
 

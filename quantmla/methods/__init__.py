@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 import torch
 
 from quantmla.cache import CacheSpec
+from quantmla.data import CalibrationData
 from quantmla.mla import MLA
 
 
@@ -38,14 +39,23 @@ class MethodContext:
     model_name: str = ""
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     cache_dir: Path = Path("runs/.transforms")
+    calibration: CalibrationData = field(default_factory=CalibrationData)
+    progress: bool = True
 
 
 class Method:
+    needs_data: ClassVar[bool] = False
+    """True if ``calibrate`` reads calibration text (checked before any model is loaded)."""
+
     def __init__(self, config: MethodConfig):
         self.config = config
+        self.info: dict = {}  # numbers worth recording with the run (chosen α, losses, costs)
 
     def check(self, spec: CacheSpec) -> None:
         """Raise ValueError for a config this method cannot run, before anything heavy."""
+
+    def check_dims(self, d_c: int, d_r: int) -> None:
+        """Raise ValueError if the method cannot transform latents of these widths."""
 
     def calibrate(self, model, adapters: list[MLA], ctx: MethodContext) -> dict:
         return {}
@@ -89,3 +99,4 @@ def get(config: MethodConfig) -> Method:
 
 def _load_builtin() -> None:
     import baselines  # noqa: F401  (registers RTN and the baselines)
+    from quantmla.methods import quantmla  # noqa: F401  (registers QuantMLA)

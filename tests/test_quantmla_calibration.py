@@ -1,0 +1,193 @@
+"""QuantMLA calibration mechanics: recipe defaults, schedule, cache reuse, Ctrl-C resume, bad
+input before any optimisation, a reduced-budget run through the harness, the ablation sweep."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from mla_fixtures import installed, small_calibration
+from safetensors import safe_open
+
+from quantmla import methods, mla
+from quantmla.cache import CacheSpec
+from quantmla.data import CalibrationData, DataUnavailable
+from quantmla.methods import MethodContext
+from quantmla.methods.quantmla import QuantMLAConfig
+from quantmla.optim import Schedule, batch_indices
+from quantmla.run import ConfigError, _config_sweep, conf_dir, run, validate_argv
+
+
+def test_defaults_are_the_papers_recipe():
+    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
+        cfg = compose("run", overrides=["method=quantmla"])
+    m, c = cfg.method, cfg.calibration
+    assert (m.steps, m.warmup, m.grad_clip, m.val_every) == (300, 0.1, 1.0, 20)
+    assert (m.lr_rotation, m.lr_content_scale, m.lr_angle, m.lr_rope_scale, m.anchor) == (3e-3, 1e-3, 1e-3, 1e-3, 1e-4)
+    assert list(m.alphas) == [0.0, 0.125, 0.25, 0.5, 0.75, 1.0] and m.percentile == 99.9 and m.log_scale_clip == 2.0
+    assert (m.content_objective, m.rope_objective, m.select) == ("output", "qk", "best")
+    assert (c.seq_len, c.train, c.heldout, c.batch_size, c.seed, c.split) == (2048, 128, 32, 4, 0, "train")
+    assert QuantMLAConfig(**{k: v for k, v in m.items() if k not in ("_target_", "name")}) == QuantMLAConfig()
+
+
+def test_schedule_and_data_order():
+    s = Schedule(steps=300, warmup=0.1)
+    f = [s.lr_factor(k) for k in range(300)]
+    assert s.warmup_steps == 30 and f[0] == pytest.approx(1 / 30) and f[29] == 1.0 and f[30] == 1.0
+    assert all(a >= b for a, b in zip(f[30:], f[31:])) and f[-1] < 1e-3  # cosine down towards 0
+    order = torch.cat([batch_indices(k, 4, 128, 0) for k in range(32)])
+    assert sorted(order.tolist()) == list(range(128))  # 32 steps = one epoch, each window once
+    assert torch.equal(batch_indices(40, 4, 128, 0), batch_indices(40, 4, 128, 0))
+    assert not torch.equal(batch_indices(40, 4, 128, 0), batch_indices(40, 4, 128, 1))
+    assert sorted(torch.cat([batch_indices(k, 3, 10, 0) for k in range(10)]).tolist()) == sorted(list(range(10)) * 3)
+
+
+def _ctx(tok, cache_dir, bits="c4r4", calibration=None):
+    return MethodContext(
+        spec=CacheSpec.parse(bits),
+        tokenizer=tok,
+        calibration=calibration or small_calibration(seq_len=64, train=4, heldout=4),
+        cache_dir=cache_dir,
+        progress=False,
+    )
+
+
+def test_cache_reuse_and_resume_after_ctrl_c(tmp_path):
+    model, tok, _ = installed("tiny")
+    cfg = QuantMLAConfig(steps=6, val_every=2)
+    ref = methods.get(cfg).calibrate(model, mla.adapters(model), _ctx(tok, tmp_path / "a"))
+
+    m = methods.get(cfg)
+
+    def interrupt(step):
+        if step == 3:
+            raise KeyboardInterrupt
+
+    m.on_step = interrupt
+    with pytest.raises(KeyboardInterrupt):
+        m.calibrate(model, mla.adapters(model), _ctx(tok, tmp_path / "b"))
+    ckpt = list((tmp_path / "b").rglob("checkpoint.pt"))
+    assert len(ckpt) == 1 and torch.load(ckpt[0], weights_only=False)["step"] == 3
+
+    m = methods.get(cfg)
+    seen = []
+    m.on_step = seen.append
+    state = m.calibrate(model, mla.adapters(model), _ctx(tok, tmp_path / "b"))
+    assert seen == [4, 5, 6] + [1, 2, 3, 4, 5, 6]  # content resumed after step 3, then the RoPE path
+    assert state.keys() == ref.keys()
+    for k in ref:
+        assert torch.allclose(state[k], ref[k], atol=1e-6), k
+    assert not list((tmp_path / "b").rglob("checkpoint.pt"))
+
+    files = sorted((tmp_path / "b").rglob("transforms.safetensors"))
+    assert len(files) == 2
+    with safe_open(str(files[0]), "pt") as f:
+        meta = f.metadata()
+    assert json.loads(meta["method"])["steps"] == 6 and json.loads(meta["calibration"])["seq_len"] == 64
+    assert json.loads((files[0].parent / "config.json").read_text())["result"]["history"][0][0] == 0
+
+    m = methods.get(cfg)
+    m.on_step = lambda step: pytest.fail("a cached calibration must not train")
+    again = m.calibrate(model, mla.adapters(model), _ctx(tok, tmp_path / "b"))
+    assert (m.info["cached_C"], m.info["cached_P"]) == (1, 1)
+    assert all(torch.equal(again[k], state[k]) for k in state)
+
+    m = methods.get(cfg)
+    m.calibrate(model, mla.adapters(model), _ctx(tok, tmp_path / "b", bits="c2r4"))
+    assert (m.info["cached_C"], m.info["cached_P"]) == (0, 1)  # C2 needs its own content path; RoPE is shared
+
+
+def test_ablation_switches_choose_the_paths(tmp_path):
+    model, tok, _ = installed("tiny")
+    m = methods.get(QuantMLAConfig(steps=2, val_every=1, paths={"rope": False}))
+    state = m.calibrate(model, mla.adapters(model), _ctx(tok, tmp_path))
+    assert {k.split(".")[1] for k in state} == {"R_C", "s_C"}
+    m = methods.get(QuantMLAConfig(steps=2, val_every=1, paths={"content": False}))
+    state = m.calibrate(model, mla.adapters(model), _ctx(tok, tmp_path))
+    assert {k.split(".")[1] for k in state} == {"theta_P", "s_P"}
+    assert m.info["cached_P"] == 0 and "cached_C" not in m.info
+
+
+def _plan_error(*overrides) -> str:
+    with pytest.raises(ConfigError) as e:
+        validate_argv(["logger=none", "method=quantmla", *overrides])
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_bad_input_is_a_one_line_error_before_anything_heavy(tmp_path):
+    assert "steps must be at least 1" in _plan_error("method.steps=0")
+    assert "unknown ablation switch 'attention'" in _plan_error("+method.paths.attention=false")
+    assert "protect.enabled" in _plan_error("+method.paths.protect=false")
+    assert "unknown content_objective" in _plan_error("method.content_objective=kl")
+    assert _plan_error(f"calibration.source={tmp_path / 'none.txt'}").startswith("no calibration data available")
+    with pytest.raises(ValueError, match="steps must be at least 1"):
+        QuantMLAConfig(steps=-3)
+
+
+def test_missing_or_short_data_stops_before_any_optimisation(tmp_path):
+    model, tok, _ = installed("tiny")
+    short = tmp_path / "short.txt"
+    short.write_text("Too short a text to hold one calibration window of 2048 bytes. " * 10)
+    for cal, err, msg in [
+        (CalibrationData(source=str(tmp_path / "gone")), DataUnavailable, "no calibration data available"),
+        (CalibrationData(source=str(short)), ValueError, "sequence length 2048 is longer than the data"),
+    ]:
+        m = methods.get(QuantMLAConfig(steps=2))
+        m.on_step = lambda step: pytest.fail("optimised despite bad data")
+        with pytest.raises(err, match=msg):
+            m.calibrate(model, mla.adapters(model), _ctx(tok, tmp_path / "cache", calibration=cal))
+        assert not (tmp_path / "cache").exists()
+
+
+def test_reduced_budget_calibration_through_the_harness(tmp_path):
+    common = [
+        "model=tiny",
+        "method=quantmla",
+        "logger=none",
+        f"runs_dir={tmp_path}",
+        "sweep=quantmla",
+        "calibration=quick",
+        "method.steps=4",
+        "method.val_every=2",
+        "calibration.seq_len=128",
+        "calibration.train=4",
+        "calibration.heldout=4",
+        "eval.seq_len=128",
+        "eval.max_tokens=512",
+        "protect.enabled=false",
+    ]
+    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
+        m4 = run(compose("run", overrides=[*common, "bits=c4r4"]))
+        m2 = run(compose("run", overrides=[*common, "bits=c2r4"]))
+    assert m4["ppl"] > 1 and m2["ppl"] > 1
+    assert m4["method"]["cached_P"] == 0 and m2["method"]["cached_P"] == 1
+    assert m4["method"]["fusion_nll_drift"] < 1e-4
+    assert len(list((tmp_path / ".transforms" / "quantmla").glob("*/transforms.safetensors"))) == 3
+    from analysis.table import frame
+
+    df = frame(tmp_path / "quantmla")  # settings that differ from conf/method/quantmla.yaml label the rows
+    assert sorted(df["bits"]) == ["C2R4", "C4R4"] and set(df["variant"]) == {"steps=4 val_every=2"}
+
+
+def test_table3_ablation_sweep_composes_the_papers_rows():
+    validate_argv(["-m", "experiment=table3_ablation", "model=tiny", "logger=none"])  # every row is valid
+    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
+        jobs = _config_sweep(["experiment=table3_ablation", "model=tiny"])
+        rows = []
+        for job in jobs:
+            c = compose("run", overrides=job)
+            paths = c.method.get("paths")
+            rows.append((c.method.name, c.bits.name, bool(c.protect.enabled), None if paths is None else dict(paths)))
+    both = {"content": True, "rope": True}
+    assert rows == [
+        ("rtn", "c16r16", False, None),
+        ("rtn", "c4r4", False, None),
+        ("smoothquant", "c4r4", False, None),
+        ("quarot", "c4r4", False, None),
+        ("quantmla", "c4r4", False, {"content": True, "rope": False}),
+        ("quantmla", "c4r4", False, both),
+        ("quantmla", "c4r4", True, both),
+    ]
