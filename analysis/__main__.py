@@ -16,7 +16,23 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("sensitivity", help="Table 4/5 and Figure 2 style plots of eval=sensitivity runs")
     s.add_argument("runs_dir", type=Path)
     s.add_argument("--out", type=Path, default=None, help="folder for the tables and figures (default: runs_dir)")
+    pp = sub.add_parser("paper", help="Tables 1, 2 and RULER in the paper's layout, with its numbers beside")
+    pp.add_argument("runs_dir", type=Path)
+    pp.add_argument("--out", type=Path, default=None, help="folder for paper_tables.md (default: runs_dir)")
     args = ap.parse_args(argv)
+    if args.cmd == "paper":
+        if not args.runs_dir.is_dir():
+            print(f"error: {args.runs_dir} is not a folder of runs", file=sys.stderr)
+            return 2
+        from analysis.paper import write as write_paper
+
+        try:
+            md, path = write_paper(args.runs_dir, args.out)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(md)
+        print(f"\n(written to {path})")
     if args.cmd == "table":
         if not args.runs_dir.is_dir():
             print(f"error: {args.runs_dir} is not a folder of runs", file=sys.stderr)

@@ -1,0 +1,86 @@
+"""The paper's published numbers (spec §7.3–7.7), to print beside reproduced rows.
+
+Keys: (model config name, bits, method); BF16 rows use method None. The paper's baseline
+rows are unprotected and its QuantMLA rows protected (spec §9 item 2), so a reproduced row
+is compared with these only under that convention.
+"""
+
+from __future__ import annotations
+
+# Table 1 (Suite A): CS, MMLU, GSM8K, FDA, SWDE, SQuAD, Avg
+SUITE_A_COLUMNS = ("cs", "mmlu", "gsm8k", "fda", "swde", "squad_completion", "avg")
+TABLE1 = {
+    ("deepseek_v2_lite", "C16R16", None): (69.76, 57.90, 36.92, 78.13, 89.20, 57.10, 66.80),
+    ("deepseek_v2_lite", "C4R4", "rtn"): (67.17, 51.90, 16.98, 65.06, 84.88, 55.50, 61.02),
+    ("deepseek_v2_lite", "C4R4", "smoothquant"): (68.23, 54.02, 24.56, 70.69, 87.85, 56.07, 63.44),
+    ("deepseek_v2_lite", "C4R4", "quarot"): (69.01, 55.66, 30.71, 72.14, 88.12, 55.06, 64.67),
+    ("deepseek_v2_lite", "C4R4", "quantmla"): (69.92, 57.95, 35.25, 77.77, 88.12, 56.70, 66.54),
+    ("deepseek_v2_lite", "C2R4", "rtn"): (62.21, 40.91, 3.71, 30.40, 70.75, 44.74, 50.16),
+    ("deepseek_v2_lite", "C2R4", "smoothquant"): (65.93, 49.40, 15.31, 45.10, 80.20, 52.51, 57.22),
+    ("deepseek_v2_lite", "C2R4", "quarot"): (64.32, 45.92, 12.13, 40.11, 75.52, 46.08, 54.14),
+    ("deepseek_v2_lite", "C2R4", "quantmla"): (69.85, 57.29, 37.91, 60.44, 84.52, 54.79, 64.42),
+    ("moonlight_16b_a3b", "C16R16", None): (74.32, 69.97, 74.53, 78.40, 90.10, 51.07, 73.57),
+    ("moonlight_16b_a3b", "C4R4", "rtn"): (73.94, 67.99, 69.60, 75.59, 90.64, 51.11, 72.46),
+    ("moonlight_16b_a3b", "C4R4", "smoothquant"): (73.39, 68.45, 68.99, 77.22, 89.29, 49.87, 72.08),
+    ("moonlight_16b_a3b", "C4R4", "quarot"): (74.11, 67.73, 71.87, 74.41, 90.28, 50.20, 72.50),
+    ("moonlight_16b_a3b", "C4R4", "quantmla"): (74.24, 69.71, 74.53, 78.77, 89.65, 50.54, 73.44),
+    ("moonlight_16b_a3b", "C2R4", "rtn"): (69.78, 60.72, 41.77, 47.01, 82.81, 36.03, 61.72),
+    ("moonlight_16b_a3b", "C2R4", "smoothquant"): (64.95, 58.99, 33.81, 61.52, 83.35, 56.23, 61.86),
+    ("moonlight_16b_a3b", "C2R4", "quarot"): (62.72, 56.16, 27.37, 25.50, 72.73, 35.36, 53.07),
+    ("moonlight_16b_a3b", "C2R4", "quantmla"): (74.22, 69.29, 75.21, 72.50, 88.21, 50.64, 72.70),
+}
+
+# Table 2 (Suite B): GPQA-D, MMLU, GSM8K, MATH500, AIME25, HumanEval, LiveCodeBench, Avg
+SUITE_B_COLUMNS = (
+    "gpqa_diamond_zeroshot",
+    "mmlu",
+    "gsm8k",
+    "minerva_math500",
+    "aime25",
+    "humaneval",
+    "livecodebench",
+    "avg",
+)
+TABLE2 = {
+    ("longcat_flash_lite", "C16R16", None): (46.46, 80.77, 71.72, 57.40, 70.00, 73.78, 49.67, 64.26),
+    ("longcat_flash_lite", "C4R4", "rtn"): (42.42, 76.38, 68.01, 48.00, 40.00, 39.02, 32.70, 49.50),
+    ("longcat_flash_lite", "C4R4", "smoothquant"): (42.42, 78.49, 69.75, 53.20, 53.33, 60.37, 42.75, 57.19),
+    ("longcat_flash_lite", "C4R4", "quarot"): (39.90, 78.52, 64.67, 54.40, 56.67, 56.71, 42.65, 56.22),
+    ("longcat_flash_lite", "C4R4", "quantmla"): (44.95, 80.51, 69.75, 54.80, 63.33, 71.34, 49.38, 62.01),
+    ("longcat_flash_lite", "C2R4", "rtn"): (29.29, 70.72, 50.95, 39.20, 26.67, 27.44, 24.27, 38.36),
+    ("longcat_flash_lite", "C2R4", "smoothquant"): (33.84, 74.55, 57.62, 47.00, 33.33, 39.63, 29.57, 45.08),
+    ("longcat_flash_lite", "C2R4", "quarot"): (28.28, 64.27, 30.02, 24.80, 6.67, 35.98, 16.78, 29.54),
+    ("longcat_flash_lite", "C2R4", "quantmla"): (44.95, 80.57, 68.84, 56.80, 60.00, 71.34, 49.00, 61.64),
+    ("glm_4_7_flash", "C16R16", None): (42.93, 72.09, 83.85, 56.40, 63.33, 36.59, 32.04, 55.32),
+    ("glm_4_7_flash", "C4R4", "rtn"): (37.88, 70.79, 81.27, 51.20, 56.67, 29.88, 29.67, 51.05),
+    ("glm_4_7_flash", "C4R4", "smoothquant"): (36.87, 70.60, 81.12, 51.00, 53.33, 31.71, 31.47, 50.87),
+    ("glm_4_7_flash", "C4R4", "quarot"): (34.85, 70.84, 82.41, 52.80, 46.67, 28.66, 30.62, 49.55),
+    ("glm_4_7_flash", "C4R4", "quantmla"): (38.89, 71.95, 83.70, 57.40, 56.67, 34.76, 32.89, 53.75),
+    ("glm_4_7_flash", "C2R4", "rtn"): (30.81, 64.81, 71.19, 42.40, 36.67, 31.71, 21.80, 42.77),
+    ("glm_4_7_flash", "C2R4", "smoothquant"): (31.82, 64.48, 73.62, 45.40, 46.67, 29.27, 25.21, 45.21),
+    ("glm_4_7_flash", "C2R4", "quarot"): (28.79, 53.64, 51.10, 34.20, 26.67, 6.10, 18.10, 31.23),
+    ("glm_4_7_flash", "C2R4", "quantmla"): (39.39, 71.50, 82.94, 55.00, 46.67, 34.15, 30.33, 51.43),
+}
+
+# RULER on DeepSeek-V2-Lite at C4R4, QuantMLA, mean over 4K-32K (spec §7.6; only text values)
+RULER_QUANTMLA = {"niah_single_1": 99.95, "niah_single_2": 99.60, "niah_single_3": 87.20}
+
+# Table 3: DeepSeek-V2-Lite MMLU 5-shot at C4R4
+TABLE3 = {
+    "BF16": 57.90,
+    "RTN": 51.90,
+    "SmoothQuant†": 54.02,
+    "QuaRot†": 55.66,
+    "+ content-path transform": 53.12,
+    "+ RoPE-path transform": 56.31,
+    "+ BF16 protection (full QuantMLA)": 57.95,
+}
+
+
+def paper_row(table: dict, model: str, bits: str, method: str, protect: bool):
+    """The paper's numbers for a reproduced row, or None if the paper has no such row."""
+    if bits == "C16R16":
+        return table.get((model, bits, None))
+    if protect != (method == "quantmla"):
+        return None
+    return table.get((model, bits, method))

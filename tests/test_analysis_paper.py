@@ -1,0 +1,76 @@
+"""Paper-layout tables from run records, with the published numbers beside matching rows."""
+
+import subprocess
+import sys
+
+from analysis import paper_numbers as P
+from quantmla.evals.averages import suite_report
+from quantmla.tracking import RunRecord
+
+
+def _record(root, model, bits, method, protect, results, seed=0):
+    cfg = {
+        "model": {"name": model},
+        "method": {"_target_": f"x.{method}", "name": method},
+        "bits": {"name": bits},
+        "protect": {"enabled": protect},
+        "eval": {"name": "lm_eval", "suite": "suite_a"},
+        "seed": seed,
+    }
+    rec = RunRecord(root, "t1", cfg)
+    rec.start()
+    rec.finish({"results": results} | suite_report("suite_a", results, {"fda": "no offline copy"}))
+
+
+def _results(row):
+    """lm-eval results that reproduce one published Table 1 row (fractions, lm-eval metric names)."""
+    cs, mmlu, gsm8k, fda, swde, squad, _ = row
+    r = {t: {"acc_norm,none": cs / 100} for t in ("hellaswag", "piqa", "arc_easy", "arc_challenge")}
+    r["winogrande"] = {"acc,none": cs / 100}
+    r["mmlu"] = {"acc,none": mmlu / 100}
+    r["gsm8k"] = {"exact_match,strict-match": gsm8k / 100}
+    r["fda"] = {"contains,none": fda / 100}
+    r["swde"] = {"contains,none": swde / 100}
+    r["squad_completion"] = {"contains,none": squad / 100}
+    return r
+
+
+def test_table1_layout_recomputes_the_paper_average(tmp_path):
+    row = P.TABLE1[("deepseek_v2_lite", "C4R4", "quantmla")]
+    _record(tmp_path, "deepseek_v2_lite", "c4r4", "quantmla", True, _results(row))
+    # the same numbers under the other protection convention: no paper value beside it
+    _record(tmp_path, "deepseek_v2_lite", "c4r4", "quantmla", False, _results(row), seed=1)
+    bf16 = _results(P.TABLE1[("deepseek_v2_lite", "C16R16", None)])
+    _record(tmp_path, "deepseek_v2_lite", "c16r16", "rtn", False, bf16)
+    _record(tmp_path, "deepseek_v2_lite", "c16r16", "smoothquant", False, bf16)  # BF16 again: one row
+    r = subprocess.run(
+        [sys.executable, "-m", "analysis", "paper", str(tmp_path / "t1")], capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in r.stdout.splitlines() if line.startswith("| deepseek_v2_lite")]
+    assert len(lines) == 3
+    bf, unprot, prot = lines
+    assert bf.startswith("| deepseek_v2_lite | C16R16 | — | no | 69.76 | 57.90 | 36.92 |")
+    # our average (ten equal weights) equals the published Avg. to the paper's rounding (±0.01)
+    for line, paper in ((bf, 66.80), (prot, 66.54)):
+        ours, printed = (float(c) for c in line.split("|")[-3:-1])
+        assert printed == paper and abs(ours - paper) <= 0.011
+    assert unprot.endswith("| 66.54 |  |")
+    assert (tmp_path / "t1" / "paper_tables.md").exists()
+
+
+def test_missing_task_leaves_the_average_empty(tmp_path):
+    res = _results(P.TABLE1[("moonlight_16b_a3b", "C4R4", "rtn")])
+    del res["fda"]
+    _record(tmp_path, "moonlight_16b_a3b", "c4r4", "rtn", False, res)
+    r = subprocess.run(
+        [sys.executable, "-m", "analysis", "paper", str(tmp_path / "t1")], capture_output=True, text=True
+    )
+    (line,) = [x for x in r.stdout.splitlines() if x.startswith("| moonlight")]
+    cells = [c.strip() for c in line.split("|")[1:-1]]
+    assert cells[7] == "n/a" and cells[10] == "n/a" and cells[11] == "72.46"
+
+
+def test_no_runs_is_an_error(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "analysis", "paper", str(tmp_path)], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.startswith("error: no finished")
