@@ -111,13 +111,6 @@ def plan(cfg: DictConfig) -> Plan:
 
 def run(cfg: DictConfig) -> dict:
     """Run one job (skipped if its record is already done); returns its metrics."""
-    import torch
-
-    from quantmla import attention, mla
-    from quantmla.cache import CacheSpec
-    from quantmla.evals import EvalContext
-    from quantmla.methods import MethodContext
-    from quantmla.models import resolve_device
     from quantmla.tracking import RunRecord
 
     p = plan(cfg)
@@ -128,6 +121,23 @@ def run(cfg: DictConfig) -> dict:
         return record.metrics()
     record.start()
     log.info("run %s → %s", record.id, record.dir)
+    try:
+        with record.watch_signals():
+            return _execute(p, cfg, record)
+    except BaseException as e:
+        record.fail(e)
+        raise
+
+
+def _execute(p: Plan, cfg: DictConfig, record) -> dict:
+    import torch
+
+    from quantmla import attention, mla
+    from quantmla.cache import CacheSpec
+    from quantmla.evals import EvalContext
+    from quantmla.methods import MethodContext
+    from quantmla.models import resolve_device
+
     ok = False
     try:
         p.logger.start(record, cfg.sweep)
@@ -164,9 +174,6 @@ def run(cfg: DictConfig) -> dict:
         ok = True
         log.info("done %s: %s", record.id, {k: v for k, v in metrics.items() if isinstance(v, (int, float))})
         return metrics
-    except BaseException as e:
-        record.fail(e)
-        raise
     finally:
         p.logger.finish(ok)
 

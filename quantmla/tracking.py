@@ -14,9 +14,12 @@ import hashlib
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
+import threading
 import traceback
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
@@ -70,6 +73,10 @@ def environment() -> dict:
     }
 
 
+class Terminated(BaseException):
+    """SIGTERM arrived during a run (``kill``, a scheduler's time limit)."""
+
+
 class RunRecord:
     def __init__(self, runs_dir: str | Path, sweep: str, cfg: dict):
         self.cfg = cfg
@@ -101,9 +108,35 @@ class RunRecord:
         _write(self.dir / "metrics.json", json.dumps(metrics, indent=2, default=float))
         _write(self.dir / "status", "done\n")
 
+    @contextmanager
+    def watch_signals(self):
+        """Record SIGTERM as ``interrupted``, then let the previous handler decide.
+
+        With the default handler the run stops through a :class:`Terminated` exception (so
+        ``fail`` keeps the traceback); a handler installed by a launcher (submitit's, which
+        ignores SIGTERM) runs as before, and a run that goes on and finishes is marked done.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_term(signum, frame):
+            _write(self.dir / "status", "interrupted\n")
+            if callable(previous):
+                previous(signum, frame)
+            elif previous != signal.SIG_IGN:
+                raise Terminated(f"signal {signum}")
+
+        signal.signal(signal.SIGTERM, on_term)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
     def fail(self, exc: BaseException) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        state = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+        state = "interrupted" if isinstance(exc, (KeyboardInterrupt, Terminated)) else "failed"
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         _write(self.dir / "error.txt", tb)
         _write(self.dir / "status", f"{state}\n")

@@ -197,3 +197,25 @@ def test_analysis_cli(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "| m | rtn | C4R4 | False | 12.5000 |" in r.stdout
     assert Path(tmp_path / "o" / "table.csv").read_text().startswith("model,method,bits,protect,ppl")
+
+
+def test_sigterm_marks_the_run_interrupted(tmp_path):
+    """A killed run (scheduler time limit, kill) is recorded as interrupted, with the reason."""
+    import signal
+    import time
+
+    env = os.environ | {"WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
+    args = ["eval.seq_len=512", "eval.max_tokens=1000000", f"runs_dir={tmp_path}", "logger=none"]
+    p = subprocess.Popen(
+        [sys.executable, "-m", "quantmla.run", *args], cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline and not list(tmp_path.rglob("status")):
+        time.sleep(0.2)
+    time.sleep(3)  # well inside the evaluation
+    p.send_signal(signal.SIGTERM)
+    p.wait(timeout=60)
+    (status,) = list(tmp_path.rglob("status"))
+    assert p.returncode != 0
+    assert status.read_text().strip() == "interrupted"
+    assert "Terminated" in (status.parent / "error.txt").read_text()
