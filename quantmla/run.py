@@ -70,6 +70,8 @@ def plan(cfg: DictConfig) -> Plan:
     """Build and validate everything a run needs, loading no model."""
     from quantmla import methods
     from quantmla.cache import CacheSpec
+    from quantmla.kernels import PageFormat, check_backend
+    from quantmla.models import resolve_device
 
     try:
         model = make(cfg.model)
@@ -86,6 +88,8 @@ def plan(cfg: DictConfig) -> Plan:
         logger = make(cfg.logger)
         d_c, d_r = model.check()
         spec.check_dims(d_c, d_r)
+        check_backend(str(cfg.get("backend", "auto")), resolve_device(str(cfg.device)))
+        PageFormat(spec.content_bits, spec.rope_bits, d_c, d_r, spec.group)  # the cache layout can hold it
         method.check(spec)
         ev.check()
     except ConfigError:
@@ -121,7 +125,7 @@ def run(cfg: DictConfig) -> dict:
         torch.manual_seed(int(cfg.seed))
         model, tokenizer = p.model.load(cfg.device)
         device = resolve_device(cfg.device)
-        layers = attention.install(model, CacheSpec(group=p.spec.group))
+        layers = attention.install(model, CacheSpec(group=p.spec.group), backend=str(cfg.get("backend", "auto")))
         p.method.apply(
             model,
             mla.adapters(model),
