@@ -116,9 +116,20 @@ def write(layer: PagedLayer, block_table, C, K_P, req, pos, lens_after, backend:
     _impl(backend, C.device, "write")(layer, block_table, C, K_P, req, pos, lens_after)
 
 
-def decode(layer: PagedLayer, block_table, lengths, q_lat, q_pe, tau: float, backend: str = "auto", config=None):
+def _check_out(out, shapes) -> None:
+    if out is None:
+        return
+    for t, shape in zip(out, shapes):
+        if t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous():
+            raise ValueError(f"out tensors must be contiguous float32 of shapes {shapes}")
+
+
+def decode(
+    layer: PagedLayer, block_table, lengths, q_lat, q_pe, tau: float, backend: str = "auto", config=None, out=None
+):
     """Decode attention: (o_lat (B, H, d_c), lse (B, H)) float32 for q_lat (B, H, d_c), q_pe (B, H, d_r)
-    over each request's ``lengths[b]`` cached tokens. See :func:`quantmla.kernels.reference.decode`."""
+    over each request's ``lengths[b]`` cached tokens (into ``out`` when given). ``config``
+    overrides the kernel's tile/split choice. See :func:`quantmla.kernels.reference.decode`."""
     fmt = layer.fmt
     _same_device(layer.pool, block_table, lengths, q_lat, q_pe)
     _check_queries(q_lat, q_pe, (fmt.d_c, fmt.d_r))
@@ -127,7 +138,9 @@ def decode(layer: PagedLayer, block_table, lengths, q_lat, q_pe, tau: float, bac
     check_block_table(block_table, lengths, layer.num_pages, q_lat.shape[0])
     if layer.prot is not None and layer.prot.shape[0] < q_lat.shape[0]:
         raise ValueError(f"protection buffers hold {layer.prot.shape[0]} requests, the batch is {q_lat.shape[0]}")
-    return _impl(backend, q_lat.device, "decode")(layer, block_table, lengths, q_lat, q_pe, tau, config)
+    B, H = q_lat.shape[:2]
+    _check_out(out, ((B, H, fmt.d_c), (B, H)))
+    return _impl(backend, q_lat.device, "decode")(layer, block_table, lengths, q_lat, q_pe, tau, config, out)
 
 
 def prefill(
@@ -144,6 +157,7 @@ def prefill(
     block_table=None,
     backend: str = "auto",
     config=None,
+    out=None,
 ):
     """Teacher-forced attention with the decode-faithful rule; see :func:`quantmla.kernels.reference.prefill`."""
     _same_device(q_lat, q_pe, C, K_P, kv_len, q_len, block_table, layer.pool if layer is not None else None)
@@ -167,10 +181,11 @@ def prefill(
         if block_table is None:
             raise ValueError("a paged layer needs its block table")
         check_block_table(block_table, kv_len, layer.num_pages, B)
+    _check_out(out, (tuple(q_lat.shape[:3]) + (d_c,), tuple(q_lat.shape[:3])))
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_lat, q_pe, C, K_P))
     fn = _impl(backend, q_lat.device, "prefill", grad)
     C, K_P = C.contiguous(), K_P.contiguous()
-    return fn(q_lat, q_pe, C, K_P, kv_len, q_len, tau, sink, recent, layer, block_table, config)
+    return fn(q_lat, q_pe, C, K_P, kv_len, q_len, tau, sink, recent, layer, block_table, config, out)
 
 
 def attend(q_lat, q_pe, C, K_P, key_valid, spec, tau: float, backend: str = "auto"):

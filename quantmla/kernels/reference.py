@@ -81,12 +81,12 @@ def stored_rows(layer, block_table, b: int, L: int) -> tuple[torch.Tensor, torch
     return out[0], out[1]
 
 
-def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | None = None):
+def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | None = None, out=None):
     """One query per request at token index ``lengths[b] - 1`` over its ``lengths[b]`` cached tokens.
 
     q_lat (B, H, d_c), q_pe (B, H, d_r). Returns the latent output (B, H, d_c) and the
-    log-sum-exp (B, H), float32 (0 and -inf for an empty request). ``config`` tunes the
-    kernel and is ignored here.
+    log-sum-exp (B, H), float32 (0 and -inf for an empty request), written into ``out``
+    when given. ``config`` tunes the kernel and is ignored here.
     """
     fmt = layer.fmt
     B, H, _ = q_lat.shape
@@ -107,7 +107,15 @@ def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | 
         s = tau * (q @ Ck.float().T + qp @ Rk.float().T)
         lse[b] = torch.logsumexp(s, -1)
         o[b] = torch.softmax(s, -1) @ Ck.float()
-    return o, lse
+    return _into(out, o, lse)
+
+
+def _into(out, o, lse):
+    if out is None:
+        return o, lse
+    out[0].copy_(o)
+    out[1].copy_(lse)
+    return out
 
 
 def prefill(
@@ -123,6 +131,7 @@ def prefill(
     layer=None,
     block_table=None,
     config: dict | None = None,
+    out=None,
 ):
     """Teacher-forced attention with the decode-faithful protection rule (spec §9 item 1).
 
@@ -133,7 +142,7 @@ def prefill(
     ``t = kv_len[b] - q_len[b] + i`` and sees keys ``j <= t``, the cache-dtype row iff
     ``j < sink`` or ``j > t - recent``, else the stored row. Without ``layer`` every key is
     the cache-dtype row. Returns (B, H, n, d_c) and (B, H, n) float32; rows past ``q_len``
-    are 0 and -inf.
+    are 0 and -inf (written into ``out`` when given; the result is differentiable otherwise).
     """
     B, H, n, d_c = q_lat.shape
     dtype = C.dtype
@@ -173,4 +182,4 @@ def prefill(
             lse_b = q_lat.new_full((H, n), float("-inf"), dtype=torch.float32)
         outs.append(o_b)
         lses.append(lse_b)
-    return torch.stack(outs), torch.stack(lses)
+    return _into(out, torch.stack(outs), torch.stack(lses))

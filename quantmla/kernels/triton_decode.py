@@ -216,7 +216,7 @@ def default_config(B: int, H: int, max_len: int, fmt, device) -> dict:
     return dict(block_h=block_h, block_n=block_n, num_splits=splits, num_warps=4 if block_h <= 16 else 8, num_stages=2)
 
 
-def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | None = None):
+def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | None = None, out=None):
     """Triton decode; see :func:`quantmla.kernels.reference.decode` for the contract."""
     fmt = layer.fmt
     B, H, _ = q_lat.shape
@@ -232,8 +232,8 @@ def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | 
     splits = triton.cdiv(tiles, per)
     q = q_lat.to(fmt.dtype).contiguous()
     qpe = q_pe.to(fmt.dtype).contiguous()
-    o = torch.empty(B, H, fmt.d_c, dtype=torch.float32, device=dev)
-    lse = torch.empty(B, H, dtype=torch.float32, device=dev)
+    o, lse = out if out is not None else (torch.empty(B, H, fmt.d_c, dtype=torch.float32, device=dev), None)
+    lse = lse if lse is not None else torch.empty(B, H, dtype=torch.float32, device=dev)
     if B == 0:
         return o, lse
     split = splits > 1

@@ -183,7 +183,19 @@ def default_config(H: int, n: int, fmt) -> dict:
 
 
 def prefill(
-    q_lat, q_pe, C, K_P, kv_len, q_len, tau: float, sink: int, recent: int, layer=None, block_table=None, config=None
+    q_lat,
+    q_pe,
+    C,
+    K_P,
+    kv_len,
+    q_len,
+    tau: float,
+    sink: int,
+    recent: int,
+    layer=None,
+    block_table=None,
+    config=None,
+    out=None,
 ):
     """Triton teacher-forced attention; see :func:`quantmla.kernels.reference.prefill`."""
     B, H, n, d_c = q_lat.shape
@@ -197,8 +209,11 @@ def prefill(
         raise ValueError(f"prefill tiles must be powers of two of at least 16, got {cfg}")
     q = q_lat.to(dtype)
     qpe = q_pe.to(dtype)
-    o = torch.empty(B, H, n, d_c, dtype=torch.float32, device=q.device)
-    lse = torch.empty(B, H, n, dtype=torch.float32, device=q.device)
+    if out is not None:
+        o, lse = out
+    else:
+        o = torch.empty(B, H, n, d_c, dtype=torch.float32, device=q.device)
+        lse = torch.empty(B, H, n, dtype=torch.float32, device=q.device)
     if B == 0 or n == 0:
         return o, lse
     regions = region_args(layer, "C") + region_args(layer, "R") if quant else (C, C, C, C, 0, 0, 0, 0) * 2
