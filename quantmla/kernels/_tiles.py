@@ -69,11 +69,13 @@ def to_cache(x, OUT: tl.constexpr, INTERP: tl.constexpr):
 
 @triton.jit
 def anchor(x, INTERP: tl.constexpr):
-    """Identity on a 16-bit tile that the compiler must compute once: the reconstructed tile
+    """Identity on a tile that the compiler must compute once: the reconstructed tile
     feeds two matrix products (as K and as V), and without this barrier the layout pass
     recomputes the whole dequantization once per consumer."""
     if INTERP:
         return x
+    elif x.dtype.primitive_bitwidth == 32:
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=1)
     else:
         return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=2)
 

@@ -203,17 +203,36 @@ def _sms(device) -> int:
     return SM_COUNT[i]
 
 
+def _splits(B: int, heads: int, tiles: int, slots: int) -> int:
+    """Split count that fills the GPU in whole waves: the fewest splits whose programs cover the
+    ``slots`` (SMs × resident programs) at >= 90% wave efficiency, else the most efficient."""
+    best, best_eff = 1, 0.0
+    for s in range(1, max(1, min(tiles, -(-2 * slots // (B * heads)))) + 1):
+        p = B * heads * s
+        eff = p / (-(-p // slots) * slots)
+        if p >= slots and eff >= 0.9:
+            return s
+        if eff > best_eff + 1e-9:
+            best, best_eff = s, eff
+    return best
+
+
 def default_config(B: int, H: int, max_len: int, fmt, device) -> dict:
-    """Tile, warp and split choice for one decode shape (see bench/NOTES.md for how it was tuned)."""
-    block_h = 16 if H <= 16 else (32 if H <= 32 else 64)
+    """Tiles, warps and splits for one decode shape (tuning notes: bench/NOTES.md).
+
+    One request's heads share each tile: 16 heads per program for small H, 32 for large H
+    (the largest that keeps the float32 accumulator and the reconstructed tile in registers
+    without spills on sm_90). Splits fill the GPU at batch 1 and vanish at large batch.
+    """
     if INTERPRET:
         block_h = max(16, triton.next_power_of_2(min(H, 64)))
-    block_n = 64 if block_h <= 16 else 32
+        return dict(block_h=block_h, block_n=64, num_splits=2, num_warps=4, num_stages=1)
+    block_h = 16 if H <= 16 else 32
+    block_n = 32 if (block_h == 16 or not fmt.quantized) else 16
     heads = triton.cdiv(H, block_h)
     tiles = max(1, triton.cdiv(max_len, block_n))
-    want = 2 * _sms(device)
-    splits = max(1, min(triton.cdiv(want, B * heads), triton.cdiv(tiles, 4)))
-    return dict(block_h=block_h, block_n=block_n, num_splits=splits, num_warps=4 if block_h <= 16 else 8, num_stages=2)
+    splits = _splits(B, heads, tiles, _sms(device))
+    return dict(block_h=block_h, block_n=block_n, num_splits=splits, num_warps=8, num_stages=2)
 
 
 def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | None = None, out=None):
@@ -221,8 +240,9 @@ def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | 
     fmt = layer.fmt
     B, H, _ = q_lat.shape
     dev = q_lat.device
-    max_len = int(lengths.max()) if B else 0
-    cfg = default_config(B, H, max_len, fmt, dev) | (config or {})
+    config = config or {}
+    max_len = int(config["max_len"]) if "max_len" in config else (int(lengths.max()) if B else 0)
+    cfg = default_config(B, H, max_len, fmt, dev) | config
     block_h, block_n = cfg["block_h"], cfg["block_n"]
     if block_h < 16 or block_n < 16 or (block_n & (block_n - 1)) or (block_h & (block_h - 1)):
         raise ValueError(f"decode tiles must be powers of two of at least 16, got {cfg}")
