@@ -177,8 +177,12 @@ def tune(H, name, gen, l2_bytes, candidates, B=32, L=32768):
 
 
 CANDIDATES = {
-    16: [dict(block_n=32, num_warps=8), dict(block_n=16, num_warps=4), dict(block_n=64, num_warps=8)],
-    128: [dict(block_h=32, block_n=16, num_warps=8), dict(block_h=32, block_n=32, num_warps=8)],
+    16: [dict(block_n=64, num_warps=8), dict(block_n=32, num_warps=8)],
+    128: [
+        dict(block_h=32, block_n=32, num_warps=8),
+        dict(block_h=32, block_n=64, num_warps=8),
+        dict(block_h=16, block_n=64, num_warps=8),
+    ],
 }
 
 

@@ -89,10 +89,10 @@ def test_attend_with_padding_counts_real_tokens_only(backend):
 
 def test_attend_is_differentiable_through_the_reference():
     gen = torch.Generator().manual_seed(6)
-    C = torch.randn(1, 30, 128, generator=gen, dtype=torch.float64, device=DEVICE).requires_grad_()
-    K = torch.randn(1, 30, 64, generator=gen, dtype=torch.float64, device=DEVICE)
-    q = torch.randn(1, 2, 30, 128, generator=gen, dtype=torch.float64, device=DEVICE).requires_grad_()
-    qp = torch.randn(1, 2, 30, 64, generator=gen, dtype=torch.float64, device=DEVICE)
+    C = torch.randn(1, 30, 128, generator=gen, dtype=torch.float64).to(DEVICE).requires_grad_()
+    K = torch.randn(1, 30, 64, generator=gen, dtype=torch.float64).to(DEVICE)
+    q = torch.randn(1, 2, 30, 128, generator=gen, dtype=torch.float64).to(DEVICE).requires_grad_()
+    qp = torch.randn(1, 2, 30, 64, generator=gen, dtype=torch.float64).to(DEVICE)
     # reference semantics in float64 (the teacher-forced path on unquantized latents is plain causal attention)
     o, _ = kernels.attend(q, qp, C, K, None, CacheSpec(), 0.1)
     o.square().sum().backward()

@@ -114,26 +114,25 @@ def load_tile(
     OUT: tl.constexpr,
     INTERP: tl.constexpr,
 ):
-    """(BLOCK_N, D) rows of one path for tokens at ``slots`` of physical ``page`` (both (BLOCK_N,),
-    pages int64); 0 where not ``valid``."""
+    """(BLOCK_N, D) rows of one path for tokens at ``slots`` (BLOCK_N,) int32 of physical ``page``
+    (a scalar, int64); 0 where not ``valid``. The page base is one 64-bit scalar; the per-element
+    offsets inside a page stay 32-bit."""
     cols = tl.arange(0, D)
     if BITS == 16:
-        ptr = rows_ptr + page[:, None] * ps_rows + slots[:, None] * D + cols[None, :]
+        ptr = (rows_ptr + page * ps_rows) + (slots[:, None] * D + cols[None, :])
         return tl.load(ptr, mask=valid[:, None], other=0.0).to(OUT)
     else:
         PB: tl.constexpr = D * W // 8
         NG: tl.constexpr = D // G
         b = tl.load(
-            codes_ptr + page[:, None] * ps_codes + slots[:, None] * PB + tl.arange(0, PB)[None, :],
+            (codes_ptr + page * ps_codes) + (slots[:, None] * PB + tl.arange(0, PB)[None, :]),
             mask=valid[:, None],
             other=0,
         )
         q = unpack_codes(b, W)
         g = tl.arange(0, NG)
-        s = tl.load(
-            scale_ptr + page[:, None] * ps_scale + slots[:, None] * NG + g[None, :], mask=valid[:, None], other=0.0
-        )
-        z = tl.load(zero_ptr + page[:, None] * ps_zero + slots[:, None] * NG + g[None, :], mask=valid[:, None], other=0)
+        s = tl.load((scale_ptr + page * ps_scale) + (slots[:, None] * NG + g[None, :]), mask=valid[:, None], other=0.0)
+        z = tl.load((zero_ptr + page * ps_zero) + (slots[:, None] * NG + g[None, :]), mask=valid[:, None], other=0)
         zf = z.to(tl.float32) + 8388608.0
         q3 = tl.reshape(q, (BLOCK_N, NG, G))
         f = (q3.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True)

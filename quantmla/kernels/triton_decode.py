@@ -108,7 +108,7 @@ def _decode_kernel(
     pid_h = tl.program_id(0)
     pid_s = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
-    L = tl.load(LENS + b).to(tl.int64)
+    L = tl.load(LENS + b).to(tl.int32)
     heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
     dc = tl.arange(0, DC)
@@ -126,11 +126,12 @@ def _decode_kernel(
         low_hi = L - RECENT  # tokens SINK <= t < L - RECENT are read from the pages
     else:
         low_hi = L
+    TPP: tl.constexpr = PAGE_SIZE // BLOCK_N  # tiles per page: a tile never straddles two pages
     for t in range(t_lo, t_hi):
         offs = t * BLOCK_N + tl.arange(0, BLOCK_N)
         valid = (offs < low_hi) & (offs >= SINK)
-        page = tl.load(BT + b * stride_bt + offs // PAGE_SIZE, mask=offs < L, other=0).to(tl.int64)
-        slots = offs % PAGE_SIZE
+        page = tl.load(BT + b * stride_bt + t // TPP).to(tl.int64)
+        slots = (t % TPP) * BLOCK_N + tl.arange(0, BLOCK_N)
         kc = load_tile(
             CRows, CCodes, CScale, CZero, ps_crows, ps_ccodes, ps_cscale, ps_czero,
             page, slots, valid, DC, C_BITS, C_W, G, BLOCK_N, KV, INTERP,
@@ -172,23 +173,29 @@ def _decode_kernel(
 
 
 @triton.jit
-def _combine_kernel(OP, LSEP, O, LSE, S, DC: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Merge ``S`` partial (output, LSE) pairs of one (request, head) row."""
+def _combine_kernel(OP, LSEP, O, LSE, S, DC: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Merge the ``S`` partial (output, LSE) pairs of one (request, head) row, ``BLOCK_D`` columns per program."""
     row = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     sp = tl.arange(0, BLOCK_S)
-    lse = tl.load(LSEP + row * S + sp, mask=sp < S, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse - m_safe)
-    total = tl.sum(w, 0)
-    dc = tl.arange(0, DC)
-    acc = tl.zeros([DC], tl.float32)
-    for s in range(0, S):
-        ws = tl.exp(tl.load(LSEP + row * S + s) - m_safe)
-        acc += ws * tl.load(OP + (row * S + s) * DC + dc)
-    has = total > 0
-    tl.store(O + row * DC + dc, acc / tl.where(has, total, 1.0))
-    tl.store(LSE + row, tl.where(has, m_safe + tl.log(tl.where(has, total, 1.0)), float("-inf")))
+    m = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        m = tl.maximum(m, tl.load(LSEP + row * S + s0 + sp, mask=s0 + sp < S, other=float("-inf")))
+    m_all = tl.max(m, 0)
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    total = tl.zeros([BLOCK_S], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        ok = s0 + sp < S
+        w = tl.exp(tl.load(LSEP + row * S + s0 + sp, mask=ok, other=float("-inf")) - m_safe)
+        o = tl.load(OP + (row * S + s0 + sp[:, None]) * DC + d[None, :], mask=ok[:, None], other=0.0)
+        total += w
+        acc += tl.sum(w[:, None] * o, 0)
+    t = tl.sum(total, 0)
+    has = t > 0
+    tl.store(O + row * DC + d, acc / tl.where(has, t, 1.0))
+    if tl.program_id(1) == 0:
+        tl.store(LSE + row, tl.where(has, m_safe + tl.log(tl.where(has, t, 1.0)), float("-inf")))
 
 
 SM_COUNT = {}
@@ -228,7 +235,7 @@ def default_config(B: int, H: int, max_len: int, fmt, device) -> dict:
         block_h = max(16, triton.next_power_of_2(min(H, 64)))
         return dict(block_h=block_h, block_n=64, num_splits=2, num_warps=4, num_stages=1)
     block_h = 16 if H <= 16 else 32
-    block_n = 32 if (block_h == 16 or not fmt.quantized) else 16
+    block_n = 64 if block_h == 16 else 32
     heads = triton.cdiv(H, block_h)
     tiles = max(1, triton.cdiv(max_len, block_n))
     splits = _splits(B, heads, tiles, _sms(device))
@@ -244,8 +251,8 @@ def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | 
     max_len = int(config["max_len"]) if "max_len" in config else (int(lengths.max()) if B else 0)
     cfg = default_config(B, H, max_len, fmt, dev) | config
     block_h, block_n = cfg["block_h"], cfg["block_n"]
-    if block_h < 16 or block_n < 16 or (block_n & (block_n - 1)) or (block_h & (block_h - 1)):
-        raise ValueError(f"decode tiles must be powers of two of at least 16, got {cfg}")
+    if block_h < 16 or block_n < 16 or PAGE % block_n or (block_h & (block_h - 1)):
+        raise ValueError(f"decode tiles: block_n must divide {PAGE}, both powers of two of at least 16; got {cfg}")
     tiles = max(1, triton.cdiv(max_len, block_n))
     splits = max(1, min(int(cfg["num_splits"]), tiles))
     per = triton.cdiv(tiles, splits)
@@ -305,7 +312,10 @@ def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | 
         num_stages=cfg["num_stages"],
     )
     if split:
-        _combine_kernel[(B * H,)](op, lsep, o, lse, splits, DC=fmt.d_c, BLOCK_S=triton.next_power_of_2(splits))
+        block_d = min(64, fmt.d_c)
+        _combine_kernel[(B * H, fmt.d_c // block_d)](
+            op, lsep, o, lse, splits, DC=fmt.d_c, BLOCK_S=min(32, triton.next_power_of_2(splits)), BLOCK_D=block_d
+        )
     return o, lse
 
 

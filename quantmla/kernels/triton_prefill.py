@@ -129,29 +129,23 @@ def _prefill_kernel(
         s = dot(q, tl.trans(xc), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE, INTERP)
         s = dot(qpe, tl.trans(xr), s, IEEE, INTERP)
         ok = jv[None, :] & (j[None, :] <= tq[:, None]) & live[:, None]
-        if QUANT:
-            # a tile is all cache-dtype rows if every pair is protected; else the stored rows are needed
-            mixed = (k0 + BLOCK_N > SINK) & (k0 <= t_max - RECENT)
-            if mixed:
-                page = tl.load(BT + b * stride_bt + j // PAGE_SIZE, mask=jv, other=0).to(tl.int64)
-                slots = j % PAGE_SIZE
-                hc = load_tile(
-                    CRows, CCodes, CScale, CZero, ps_crows, ps_ccodes, ps_cscale, ps_czero,
-                    page, slots, jv, DC, C_BITS, C_W, G, BLOCK_N, KV, INTERP,
-                )  # fmt: skip
-                hr = load_tile(
-                    RRows, RCodes, RScale, RZero, ps_rrows, ps_rcodes, ps_rscale, ps_rzero,
-                    page, slots, jv, DR, R_BITS, R_W, G, BLOCK_N, KV, INTERP,
-                )  # fmt: skip
-                if C_BITS < 16:
-                    hc = anchor(hc, INTERP)
-                keep = (j[None, :] < SINK) | (j[None, :] > tq[:, None] - RECENT)
-                sh = dot(q, tl.trans(hc), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE, INTERP)
-                sh = dot(qpe, tl.trans(hr), sh, IEEE, INTERP)
-                s = tl.where(keep, s, sh)
-            else:
-                hc = xc
-                keep = ok | True
+        if QUANT:  # the stored copies of the same keys, and the per-pair choice
+            page = tl.load(BT + b * stride_bt + k0 // PAGE_SIZE).to(tl.int64)
+            slots = k0 % PAGE_SIZE + tl.arange(0, BLOCK_N)
+            hc = load_tile(
+                CRows, CCodes, CScale, CZero, ps_crows, ps_ccodes, ps_cscale, ps_czero,
+                page, slots, jv, DC, C_BITS, C_W, G, BLOCK_N, KV, INTERP,
+            )  # fmt: skip
+            hr = load_tile(
+                RRows, RCodes, RScale, RZero, ps_rrows, ps_rcodes, ps_rscale, ps_rzero,
+                page, slots, jv, DR, R_BITS, R_W, G, BLOCK_N, KV, INTERP,
+            )  # fmt: skip
+            if C_BITS < 16:
+                hc = anchor(hc, INTERP)
+            keep = (j[None, :] < SINK) | (j[None, :] > tq[:, None] - RECENT)
+            sh = dot(q, tl.trans(hc), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE, INTERP)
+            sh = dot(qpe, tl.trans(hr), sh, IEEE, INTERP)
+            s = tl.where(keep, s, sh)
         s = tl.where(ok, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -160,12 +154,9 @@ def _prefill_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if QUANT:
-            if mixed:
-                pk = tl.where(keep, p, 0.0)
-                acc = _pv(pk, xc, acc, PV_SPLIT, IEEE, KV, INTERP)
-                acc = _pv(p - pk, hc, acc, PV_SPLIT, IEEE, KV, INTERP)
-            else:
-                acc = _pv(p, xc, acc, PV_SPLIT, IEEE, KV, INTERP)
+            pk = tl.where(keep, p, 0.0)
+            acc = _pv(pk, xc, acc, PV_SPLIT, IEEE, KV, INTERP)
+            acc = _pv(p - pk, hc, acc, PV_SPLIT, IEEE, KV, INTERP)
         else:
             acc = _pv(p, xc, acc, PV_SPLIT, IEEE, KV, INTERP)
         m_i = m_new
@@ -177,12 +168,10 @@ def _prefill_kernel(
 
 
 def default_config(H: int, n: int, fmt, quantized: bool) -> dict:
-    """Tiles for the teacher-forced kernel (chosen from the compiler's register report on sm_90: the
-    quantized variant keeps two key tiles live, so it takes narrower key tiles)."""
+    """Tiles for the teacher-forced kernel (from the compiler's register report on sm_90: the quantized
+    variant keeps two key tiles live, so it takes narrower key tiles)."""
     if INTERPRET:
         return dict(block_m=64, block_n=64, num_warps=4, num_stages=1)
-    if fmt.d_c <= 256:
-        return dict(block_m=64, block_n=32, num_warps=4, num_stages=2)
     return dict(block_m=32, block_n=16 if quantized else 32, num_warps=8, num_stages=2)
 
 
@@ -209,8 +198,8 @@ def prefill(
     fmt = layer.fmt if quant else _Plain(d_c, d_r, dtype)
     cfg = default_config(H, n, fmt, quant) | (config or {})
     block_m, block_n = cfg["block_m"], cfg["block_n"]
-    if block_n < 16 or block_m < 16 or (block_n & (block_n - 1)) or (block_m & (block_m - 1)):
-        raise ValueError(f"prefill tiles must be powers of two of at least 16, got {cfg}")
+    if block_n < 16 or block_m < 16 or PAGE % block_n or (block_m & (block_m - 1)):
+        raise ValueError(f"prefill tiles: block_n must divide {PAGE}, both powers of two of at least 16; got {cfg}")
     q = q_lat.to(dtype)
     qpe = q_pe.to(dtype)
     if out is not None:
