@@ -267,7 +267,29 @@ def main(argv=None):
                 tuning[f"H{H}-{name}"] = times
                 print(f"tune H={H} {name}: {times} -> {best}", flush=True)
     free = torch.cuda.mem_get_info()[0]
-    rows = []
+    stamp = datetime.datetime.now(datetime.UTC)
+    meta = {
+        "date": stamp.isoformat(timespec="seconds"),
+        "gpu": props.name,
+        "sms": props.multi_processor_count,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "command": "python bench/decode.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "copy_TBps": copy,
+        "configs": {f"H{h}-{n}": c for (h, n), c in configs.items()},
+        "tuning_ms": tuning,
+        "rows": [],
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    base = out / f"decode-{stamp:%Y%m%d-%H%M%S}"
+
+    def save():  # after every shape, so an interrupted sweep keeps what it measured
+        base.with_suffix(".json").write_text(json.dumps(meta, indent=1))
+        md = f"# Decode benchmark, {meta['date']}\n\n{props.name}, torch {torch.__version__}, Triton {triton.__version__}\n\n"
+        base.with_suffix(".md").write_text(md + table(meta["rows"], copy))
+
     for H in heads:
         for B in batches:
             for L in lengths:
@@ -277,7 +299,8 @@ def main(argv=None):
                     continue
                 r = run_shape(H, B, L, gen, l2, configs)
                 torch.cuda.empty_cache()
-                rows.append(r)
+                meta["rows"].append(r)
+                save()
                 print(
                     f"H={H:3d} B={B:3d} L={L:6d}  c16r16 {r['c16r16_ms']:.3f} ms {r['c16r16_TBps']:.2f} TB/s "
                     f"{r['c16r16_TFLOPs']:.0f} TF | c4r4 {r['c4r4_ms']:.3f} ({r['c4r4_speedup_vs_c16r16']:.2f}x, "
@@ -285,26 +308,8 @@ def main(argv=None):
                     f"unfused {r['unfused_ms']:.3f} | err {r.get('fused_vs_unfused_rel_err', 0):.1e}",
                     flush=True,
                 )
-    stamp = datetime.datetime.now(datetime.UTC)
-    meta = {
-        "date": stamp.isoformat(timespec="seconds"),
-        "gpu": props.name,
-        "sms": props.multi_processor_count,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "copy_TBps": copy,
-        "configs": {f"H{h}-{n}": c for (h, n), c in configs.items()},
-        "tuning_ms": tuning,
-        "rows": rows,
-    }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    base = out / f"decode-{stamp:%Y%m%d-%H%M%S}"
-    base.with_suffix(".json").write_text(json.dumps(meta, indent=1))
-    md = f"# Decode benchmark, {meta['date']}\n\n{props.name}, torch {torch.__version__}, Triton {triton.__version__}\n\n"
-    base.with_suffix(".md").write_text(md + table(rows, copy))
-    print(table(rows, copy))
+    save()
+    print(table(meta["rows"], copy))
     print(f"wrote {base}.json and .md")
 
 
