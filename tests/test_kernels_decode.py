@@ -93,8 +93,8 @@ def test_bad_decode_inputs_raise_before_launch():
     out = _poisoned(1, 16)
     with pytest.raises(ValueError, match="outside the pool"):
         kernels.decode(layer, bt + layer.num_pages, lens, q, qp, 0.1, out=out)
-    with pytest.raises(TypeError, match="share one floating dtype"):
-        kernels.decode(layer, bt, lens, q, qp.half(), 0.1, out=out)
+    with pytest.raises(TypeError, match="must be floating point"):
+        kernels.decode(layer, bt, lens, q, qp.to(torch.int32), 0.1, out=out)
     with pytest.raises(ValueError, match="latent widths"):
         kernels.decode(layer, bt, lens, q[..., :256], qp, 0.1, out=out)
     with pytest.raises(ValueError, match="needs 3 pages"):

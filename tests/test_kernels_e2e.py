@@ -48,8 +48,8 @@ def spec_attend(self, q_lat, q_pe, C, K_P, mask):
     return o.float(), lse.float()
 
 
-def _model(spec, reference=False):
-    model, tok = build()
+def _model(spec, reference=False, dtype=torch.float32):
+    model, tok = build(dtype=dtype)
     model = model.to(DEVICE)
     for layer in attention.install(model, spec):
         if reference:
@@ -82,6 +82,17 @@ def test_ppl_and_greedy_generation_match_the_spec_reference(spec):
     ids = tok(PROMPT, return_tensors="pt").input_ids.to(DEVICE)
     got = _greedy(core, ids, attention.new_cache(core, 1, ids.shape[1] + 64))
     assert torch.equal(got, _greedy(want, ids))
+
+
+def test_bf16_model_runs_through_the_core():
+    """A BF16 model: float32 absorbed queries, BF16 caches and protection rows, CxRy pages."""
+    spec = CacheSpec(4, 4, sink=4, recent=16)
+    core, tok = _model(spec, dtype=torch.bfloat16)
+    want, _ = _model(spec, reference=True, dtype=torch.bfloat16)
+    assert abs(_ppl(core, tok) / _ppl(want, tok) - 1) < 1e-3
+    ids = tok(PROMPT, return_tensors="pt").input_ids.to(DEVICE)
+    got = _greedy(core, ids, attention.new_cache(core, 1, 200), new=16)
+    assert torch.equal(got, _greedy(want, ids, new=16))
 
 
 def test_bf16_cache_matches_native_attention():

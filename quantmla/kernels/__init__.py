@@ -56,16 +56,21 @@ def check_backend(backend: str, device: torch.device | str | None = None) -> str
     return backend
 
 
-def resolve_backend(backend: str, device: torch.device, grad: bool = False) -> str:
-    """``triton`` or ``reference`` for a call on ``device`` (``grad``: autograd must flow through it)."""
+def resolve_backend(backend: str, device: torch.device, grad: bool = False, dtype: torch.dtype | None = None) -> str:
+    """``triton`` or ``reference`` for a call on ``device`` (``grad``: autograd must flow through it;
+    ``dtype``: the cache dtype, float64 has no kernel)."""
     check_backend(backend, device)
     if backend == "auto":
-        return "triton" if device.type == "cuda" and not grad else "reference"
+        return "triton" if device.type == "cuda" and not grad and dtype != torch.float64 else "reference"
+    if backend == "triton" and dtype == torch.float64:
+        raise ValueError(
+            "the Triton kernels take bfloat16, float16 or float32 caches; float64 runs on backend=reference"
+        )
     return backend
 
 
-def _impl(backend: str, device: torch.device, what: str, grad: bool = False):
-    if resolve_backend(backend, device, grad) == "reference":
+def _impl(backend: str, device: torch.device, what: str, grad: bool = False, dtype: torch.dtype | None = None):
+    if resolve_backend(backend, device, grad, dtype) == "reference":
         return getattr(reference, what)
     import importlib
 
@@ -87,8 +92,10 @@ def _check_rows(name: str, x: torch.Tensor, width: int, dtype: torch.dtype) -> N
 
 def _check_queries(q_lat, q_pe, fmt_or_dims) -> None:
     d_c, d_r = fmt_or_dims
-    if not (q_lat.is_floating_point() and q_pe.is_floating_point()) or q_lat.dtype != q_pe.dtype:
-        raise TypeError(f"q_lat and q_pe must share one floating dtype, got {q_lat.dtype} and {q_pe.dtype}")
+    if not (q_lat.is_floating_point() and q_pe.is_floating_point()):
+        raise TypeError(
+            f"q_lat and q_pe must be floating point (they are cast to the cache dtype), got {q_lat.dtype}, {q_pe.dtype}"
+        )
     if q_lat.shape[-1] != d_c or q_pe.shape[-1] != d_r or q_lat.shape[:-1] != q_pe.shape[:-1]:
         raise ValueError(
             f"queries {tuple(q_lat.shape)} / {tuple(q_pe.shape)} do not match latent widths d_c={d_c}, d_r={d_r}"
@@ -113,7 +120,7 @@ def write(layer: PagedLayer, block_table, C, K_P, req, pos, lens_after, backend:
     if C.shape[0] and int(pos.max()) >= int(lens_after.max()):
         raise ValueError("a token index is not below its request's length after the write")
     C, K_P = C.contiguous(), K_P.contiguous()
-    _impl(backend, C.device, "write")(layer, block_table, C, K_P, req, pos, lens_after)
+    _impl(backend, C.device, "write", dtype=fmt.dtype)(layer, block_table, C, K_P, req, pos, lens_after)
 
 
 def _check_out(out, shapes) -> None:
@@ -140,7 +147,8 @@ def decode(
         raise ValueError(f"protection buffers hold {layer.prot.shape[0]} requests, the batch is {q_lat.shape[0]}")
     B, H = q_lat.shape[:2]
     _check_out(out, ((B, H, fmt.d_c), (B, H)))
-    return _impl(backend, q_lat.device, "decode")(layer, block_table, lengths, q_lat, q_pe, tau, config, out)
+    fn = _impl(backend, q_lat.device, "decode", dtype=fmt.dtype)
+    return fn(layer, block_table, lengths, q_lat, q_pe, tau, config, out)
 
 
 def prefill(
@@ -183,13 +191,14 @@ def prefill(
         check_block_table(block_table, kv_len, layer.num_pages, B)
     _check_out(out, (tuple(q_lat.shape[:3]) + (d_c,), tuple(q_lat.shape[:3])))
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_lat, q_pe, C, K_P))
-    fn = _impl(backend, q_lat.device, "prefill", grad)
+    fn = _impl(backend, q_lat.device, "prefill", grad, C.dtype)
     C, K_P = C.contiguous(), K_P.contiguous()
     return fn(q_lat, q_pe, C, K_P, kv_len, q_len, tau, sink, recent, layer, block_table, config, out)
 
 
 def attend(q_lat, q_pe, C, K_P, key_valid, spec, tau: float, backend: str = "auto"):
-    """Teacher-forced attention over dense latents, the way the cache would serve them.
+    """Teacher-forced attention over dense latents, the way the cache would serve them
+    (float32 outputs; float64 for float64 latents).
 
     q_lat (B, H, n, d_c), q_pe (B, H, n, d_r) are the queries of the last ``n`` columns of
     C (B, L, d_c) and K_P (B, L, d_r) (cache dtype). ``key_valid`` (B, L) marks real tokens

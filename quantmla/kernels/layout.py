@@ -45,8 +45,8 @@ PAGE_ALIGN = 4096
 REVERSE_MAP_BYTES = 8
 """Bytes per page of the page → owner map (spec §8.1, Eq. 40)."""
 
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-"""Cache dtypes the layout holds (the dtype of the unquantized rows)."""
+DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+"""Cache dtypes the layout holds (the dtype of the unquantized rows); float64 runs on the reference only."""
 
 MAX_DIM = 1024
 
@@ -85,7 +85,7 @@ class PageFormat:
             if b not in BITS:
                 raise ValueError(f"{what} bits {b} are not supported by the cache layout; choose from {BITS}")
         if self.dtype not in DTYPES:
-            raise ValueError(f"cache dtype {self.dtype} is not supported; use bfloat16, float16 or float32")
+            raise ValueError(f"cache dtype {self.dtype} is not supported; use bfloat16, float16, float32 or float64")
         for what, d in (("content latent width d_c", self.d_c), ("RoPE key width d_r", self.d_r)):
             if not _is_pow2(d) or d > MAX_DIM or d < 16:
                 raise ValueError(

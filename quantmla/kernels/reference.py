@@ -12,7 +12,9 @@ dequantized row otherwise, in the scores and in the aggregation, under one softm
 
 Queries enter in the cache dtype (``q.to(dtype)``), as the kernels take them. The
 teacher-forced :func:`prefill` is differentiable in the queries and the cache-dtype keys
-(dequantized rows are stored values: constants), so calibration and probes can use it.
+(dequantized rows are stored values: constants), so calibration and probes can use it;
+float64 caches are computed in float64 throughout (probes that differentiate in double
+precision), everything else in float32.
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ from quantmla.kernels.layout import PAGE
 from quantmla.quant import QTensor, pack, quantize, unpack
 
 QUERY_CHUNK = 256
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 for a float64 cache, float32 for every other."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def write(layer, block_table, C, K_P, req, pos, lens_after) -> None:
@@ -89,9 +96,10 @@ def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | 
     when given. ``config`` tunes the kernel and is ignored here.
     """
     fmt = layer.fmt
+    cd = compute_dtype(fmt.dtype)
     B, H, _ = q_lat.shape
-    o = torch.zeros(B, H, fmt.d_c, dtype=torch.float32, device=q_lat.device)
-    lse = torch.full((B, H), float("-inf"), dtype=torch.float32, device=q_lat.device)
+    o = torch.zeros(B, H, fmt.d_c, dtype=cd, device=q_lat.device)
+    lse = torch.full((B, H), float("-inf"), dtype=cd, device=q_lat.device)
     for b in range(B):
         L = int(lengths[b])
         if L == 0:
@@ -102,11 +110,11 @@ def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | 
             for j in protected_set(L, layer.sink, layer.recent):
                 r = j if j < layer.sink else layer.sink + j % layer.recent
                 Ck[j], Rk[j] = layer.prot[b, r, : fmt.d_c], layer.prot[b, r, fmt.d_c :]
-        q = q_lat[b].to(fmt.dtype).float()
-        qp = q_pe[b].to(fmt.dtype).float()
-        s = tau * (q @ Ck.float().T + qp @ Rk.float().T)
+        q = q_lat[b].to(fmt.dtype).to(cd)
+        qp = q_pe[b].to(fmt.dtype).to(cd)
+        s = tau * (q @ Ck.to(cd).T + qp @ Rk.to(cd).T)
         lse[b] = torch.logsumexp(s, -1)
-        o[b] = torch.softmax(s, -1) @ Ck.float()
+        o[b] = torch.softmax(s, -1) @ Ck.to(cd)
     return _into(out, o, lse)
 
 
@@ -142,18 +150,20 @@ def prefill(
     ``t = kv_len[b] - q_len[b] + i`` and sees keys ``j <= t``, the cache-dtype row iff
     ``j < sink`` or ``j > t - recent``, else the stored row. Without ``layer`` every key is
     the cache-dtype row. Returns (B, H, n, d_c) and (B, H, n) float32; rows past ``q_len``
-    are 0 and -inf (written into ``out`` when given; the result is differentiable otherwise).
+    are 0 and -inf (written into ``out`` when given; the result is differentiable otherwise;
+    float64 for a float64 cache).
     """
     B, H, n, d_c = q_lat.shape
     dtype = C.dtype
+    cd = compute_dtype(dtype)
     outs, lses = [], []
     for b in range(B):
         L, m = int(kv_len[b]), int(q_len[b])
-        keys, rkeys = C[b, :L].float(), K_P[b, :L].float()
+        keys, rkeys = C[b, :L].to(cd), K_P[b, :L].to(cd)
         if layer is not None:
-            hat, rhat = (t.float() for t in stored_rows(layer, block_table, b, L))
-        q = q_lat[b, :, :m].to(dtype).float()
-        qp = q_pe[b, :, :m].to(dtype).float()
+            hat, rhat = (t.to(cd) for t in stored_rows(layer, block_table, b, L))
+        q = q_lat[b, :, :m].to(dtype).to(cd)
+        qp = q_pe[b, :, :m].to(dtype).to(cd)
         k_index = torch.arange(L, device=C.device)
         o_b, lse_b = [], []
         for s0 in range(0, m, QUERY_CHUNK):
@@ -175,11 +185,11 @@ def prefill(
                 o_b.append(p @ keys)
             lse_b.append(lse)
         pad = n - m
-        o_b = torch.cat(o_b + [q_lat.new_zeros(H, pad, d_c, dtype=torch.float32)], 1) if m else None
-        lse_b = torch.cat(lse_b + [q_lat.new_full((H, pad), float("-inf"), dtype=torch.float32)], 1) if m else None
+        o_b = torch.cat(o_b + [q_lat.new_zeros(H, pad, d_c, dtype=cd)], 1) if m else None
+        lse_b = torch.cat(lse_b + [q_lat.new_full((H, pad), float("-inf"), dtype=cd)], 1) if m else None
         if m == 0:
-            o_b = q_lat.new_zeros(H, n, d_c, dtype=torch.float32)
-            lse_b = q_lat.new_full((H, n), float("-inf"), dtype=torch.float32)
+            o_b = q_lat.new_zeros(H, n, d_c, dtype=cd)
+            lse_b = q_lat.new_full((H, n), float("-inf"), dtype=cd)
         outs.append(o_b)
         lses.append(lse_b)
     return _into(out, torch.stack(outs), torch.stack(lses))
