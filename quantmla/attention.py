@@ -5,12 +5,16 @@
 ``state_dict`` keys do not change) and computes, per layer:
 
 1. the paper's handles through the adapter: q_nope, post-RoPE Q_P, C and K_P;
-2. the cache update (whatever transformers ``Cache`` the model passes keeps BF16 latents);
-3. CxRy quantize–dequantize of C and K_P with the evaluation-time BF16 protection;
-4. absorbed attention (:func:`quantmla.core.latent_attention`) and W_UV / ``o_proj``.
+2. attention through the quantized-MLA core (:mod:`quantmla.kernels`): with the paged
+   generation cache (:func:`new_cache`) new tokens are written into packed pages and
+   attended by the decode kernel; otherwise (evaluation, or any other transformers
+   ``Cache``, which then keeps the cache-dtype latents) the teacher-forced core quantizes
+   C and K_P into pages and applies the decode-faithful BF16 protection per (query, key);
+3. W_UV / ``o_proj`` on the latent output.
 
-Token indices for the protection rule come from the attention mask, so left-padded
-batches protect each request's own first tokens.
+Token indices for the protection rule count the real tokens of the attention mask, so
+left-padded batches protect each request's own first tokens. The mask must be causal over
+the real tokens (padding only); anything else raises.
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from quantmla.cache import CacheSpec, protected_pairs
-from quantmla.core import latent_attention
+from quantmla import kernels
+from quantmla.cache import CacheSpec
 from quantmla.mla import MLA, adapter_class
+from quantmla.paged_cache import LatentCache
 
 _COPIED = (
     "config",
@@ -53,6 +58,7 @@ class LatentAttention(nn.Module):
         self.mla: MLA = klass(self)
         self.spec = spec
         self.rope_transform: torch.Tensor | None = None  # online post-RoPE map (QuaRot†'s H_P), else None
+        self.backend = "auto"  # attention core: auto | triton | reference (quantmla.kernels)
         spec.check_dims(self.kv_lora_rank, self.qk_rope_head_dim)
 
     def forward(
@@ -69,48 +75,64 @@ class LatentAttention(nn.Module):
         if self.rope_transform is not None:
             q_pe = q_pe @ self.rope_transform.to(q_pe.dtype)
             K_P = K_P @ self.rope_transform.to(K_P.dtype)
+        q_lat = self.mla.absorb(q_nope)
+        if isinstance(cache, LatentCache):
+            n, L = C.shape[2], cache.get_seq_length(self.layer_idx) + C.shape[2]
+            valid = key_validity(attention_mask, C.shape[0], n, L, C.device)
+            o_lat = cache.attend(self.layer_idx, self.spec, q_lat, q_pe, C, K_P, valid, self.mla.tau, self.backend)
+            return self.mla.output(o_lat), None
         if cache is not None:
             C, K_P = cache.update(C, K_P, self.layer_idx)
-        o_lat, _ = self.attend(self.mla.absorb(q_nope), q_pe, C, K_P, attention_mask)
+        o_lat, _ = self.attend(q_lat, q_pe, C, K_P, attention_mask)
         return self.mla.output(o_lat), None
 
     def attend(self, q_lat, q_pe, C, K_P, attention_mask):
+        """Latent output (B, H, n, d_c) and LSE (B, H, n), float32, of queries (B, H, n, ·) over
+        the latents C (B, 1, L, d_c), K_P (B, 1, L, d_r), through the core's teacher-forced path."""
         n, L = q_lat.shape[2], C.shape[2]
-        allowed = _allowed(attention_mask, q_lat.shape[0], n, L, q_lat.device)
-        spec = self.spec
-        if not spec.quantized:
-            return latent_attention(q_lat, q_pe, C, K_P, None, None, allowed, None, self.mla.tau)
-        protect = None
-        if spec.protect:
-            k_index = allowed[:, 0, -1, :].long().cumsum(-1) - 1  # token index within the request
-            protect = protected_pairs(k_index[:, L - n :], k_index, spec.sink, spec.recent).unsqueeze(1)
-        C_hat, K_P_hat = spec.qdq_content(C), spec.qdq_rope(K_P)
-        return latent_attention(q_lat, q_pe, C, K_P, C_hat, K_P_hat, allowed, protect, self.mla.tau)
+        valid = key_validity(attention_mask, C.shape[0], n, L, C.device)
+        return kernels.attend(q_lat, q_pe, C[:, 0], K_P[:, 0], valid, self.spec, self.mla.tau, self.backend)
 
 
-def _allowed(mask, B: int, n: int, L: int, device) -> torch.Tensor:
-    """Boolean (B, 1, n, L) mask from whatever transformers passed (None = plain causal)."""
+def key_validity(mask, B: int, n: int, L: int, device) -> torch.Tensor | None:
+    """Which of the L key columns are real tokens, (B, L) bool, or None when all are.
+
+    ``mask`` is what transformers passed (None = plain causal, boolean or additive float
+    ``(B, 1, n, L)``). It must be causal over the real tokens: padding is the only thing the
+    core can express, and any other pattern raises instead of being silently changed.
+    """
     if mask is None:
-        q = torch.arange(L - n, L, device=device).unsqueeze(-1)
-        return (torch.arange(L, device=device) <= q).expand(B, 1, n, L)
+        return None
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"attention mask of type {type(mask).__name__} is not supported; use sdpa or eager")
     if mask.dtype != torch.bool:
         mask = mask > torch.finfo(mask.dtype).min / 2
-    return mask[..., -n:, :L].expand(B, 1, n, L)
+    m = mask[..., -n:, :L].expand(B, 1, n, L)[:, 0]
+    valid = m[:, -1, :]  # the last query sees every real key
+    causal = torch.arange(L, device=device).unsqueeze(0) <= torch.arange(L - n, L, device=device).unsqueeze(1)
+    live = valid[:, L - n :].unsqueeze(-1)  # rows of padding queries are free
+    if bool(((m != (valid.unsqueeze(1) & causal)) & live).any()):
+        raise ValueError("the attention mask is not causal over the real tokens; the latent core supports padding only")
+    return None if bool(valid.all()) else valid
 
 
-def install(model: nn.Module, spec: CacheSpec) -> list[LatentAttention]:
-    """Route every MLA attention of ``model`` through the latent cache; returns the new modules."""
+def install(model: nn.Module, spec: CacheSpec, backend: str = "auto") -> list[LatentAttention]:
+    """Route every MLA attention of ``model`` through the latent cache; returns the new modules.
+
+    ``backend`` picks the attention core's implementation (see :mod:`quantmla.kernels`).
+    """
+    kernels.check_backend(backend)
     installed = []
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, LatentAttention):
                 child.spec = spec
                 spec.check_dims(child.kv_lora_rank, child.qk_rope_head_dim)
+                child.backend = backend
                 installed.append(child)
             elif adapter_class(child) is not None:
                 new = LatentAttention(child, spec)
+                new.backend = backend
                 setattr(parent, name, new)
                 installed.append(new)
     if not installed:
@@ -127,10 +149,19 @@ def uninstall(model: nn.Module) -> None:
 
 
 def new_cache(model: nn.Module, batch_size: int = 1, max_length: int | None = None):
-    """A fresh cache for generation through the harness's attention (pass as ``past_key_values``)."""
-    from transformers import DynamicCache
+    """A fresh cache for generation through the harness's attention (pass as ``past_key_values``).
 
-    return DynamicCache(config=model.config)
+    With layers installed by :func:`install` it is the paged latent cache of the core (packed pages,
+    fused writer, decode kernel); ``max_length`` sizes its page pool (it grows if needed).
+    """
+    layers = latent_layers(model)
+    if not layers:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=model.config)
+    num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    num_layers = max(num_layers, 1 + max(int(m.layer_idx) for m in layers))
+    return LatentCache(num_layers, batch_size, max_length, backend=layers[0].backend)
 
 
 def latent_layers(model: nn.Module) -> list[LatentAttention]:

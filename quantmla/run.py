@@ -78,6 +78,8 @@ def plan(cfg: DictConfig) -> Plan:
     from quantmla import methods
     from quantmla.cache import CacheSpec
     from quantmla.data import CalibrationData
+    from quantmla.kernels import PageFormat, check_backend
+    from quantmla.models import resolve_device
 
     try:
         model = make(cfg.model)
@@ -95,6 +97,8 @@ def plan(cfg: DictConfig) -> Plan:
         calibration = CalibrationData(**OmegaConf.to_container(cfg.calibration, resolve=True))
         d_c, d_r = model.check()
         spec.check_dims(d_c, d_r)
+        check_backend(str(cfg.get("backend", "auto")), resolve_device(str(cfg.device)))
+        PageFormat(spec.content_bits, spec.rope_bits, d_c, d_r, spec.group)  # the cache layout can hold it
         method.check(spec)
         method.check_dims(d_c, d_r)
         if method.needs_data:
@@ -144,7 +148,7 @@ def _execute(p: Plan, cfg: DictConfig, record) -> dict:
         torch.manual_seed(int(cfg.seed))
         model, tokenizer = p.model.load(cfg.device)
         device = resolve_device(cfg.device)
-        layers = attention.install(model, CacheSpec(group=p.spec.group))
+        layers = attention.install(model, CacheSpec(group=p.spec.group), backend=str(cfg.get("backend", "auto")))
         p.method.apply(
             model,
             mla.adapters(model),

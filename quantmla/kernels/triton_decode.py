@@ -1,0 +1,322 @@
+"""Decode attention over the paged cache (spec §8.3): split-KV, fused dequant, one softmax.
+
+Grid ``(head blocks, splits, batch)``. A program takes ``BLOCK_H`` query heads of one request
+and a contiguous range of its tiles (``BLOCK_N`` tokens of one page). Per tile it gathers the
+page through the block table, unpacks and dequantizes the content and RoPE rows once for all
+its heads, swaps in the protected rows (sink, recent ring) from the protection buffer, and
+runs the online softmax of absorbed attention::
+
+    S = tau (q_lat Ĉ^T + q_pe K̂_P^T),   o += softmax(S) Ĉ
+
+The same reconstructed content tile is the key of ``q_lat Ĉ^T`` and the value of ``P Ĉ``.
+``P`` enters the tensor cores as a hi/lo pair in the cache dtype (P = P_hi + P_lo), so the
+product keeps float32 accuracy (~1e-6 relative instead of bf16's ~1e-3). With several
+splits, each writes a normalized partial output and its LSE and a second kernel merges
+them: m = max_j m_j, O = sum_j e^(m_j − m) s_j o_j / sum_j e^(m_j − m) s_j.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from quantmla.kernels._tiles import INTERPRET, anchor, container_bits, dot, load_tile, region_args, tl_dtype
+from quantmla.kernels.layout import PAGE
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _online(q, qpe, kc, kr, valid, m_i, l_i, acc, qk_scale, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+            PV_SPLIT: tl.constexpr, IEEE: tl.constexpr, KV: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+    """One tile of the online softmax: keys/values ``kc`` (N, d_c) and ``kr`` (N, d_r)."""
+    s = dot(q, tl.trans(kc), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), IEEE, INTERP)
+    s = dot(qpe, tl.trans(kr), s, IEEE, INTERP)
+    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if PV_SPLIT:
+        p_hi = p.to(KV)
+        acc = dot(p_hi, kc, acc, IEEE, INTERP)
+        acc = dot((p - p_hi.to(tl.float32)).to(KV), kc, acc, IEEE, INTERP)
+    else:
+        acc = dot(p.to(KV), kc, acc, IEEE, INTERP)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _decode_kernel(
+    Q,
+    QPE,
+    O,
+    LSE,
+    BT,
+    LENS,
+    PROT,
+    CRows,
+    CCodes,
+    CScale,
+    CZero,
+    ps_crows,
+    ps_ccodes,
+    ps_cscale,
+    ps_czero,
+    RRows,
+    RCodes,
+    RScale,
+    RZero,
+    ps_rrows,
+    ps_rcodes,
+    ps_rscale,
+    ps_rzero,
+    H,
+    stride_qb,
+    stride_qh,
+    stride_rb,
+    stride_rh,
+    stride_pb,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_bt,
+    tiles_per_split,
+    qk_scale,
+    DC: tl.constexpr,
+    DR: tl.constexpr,
+    G: tl.constexpr,
+    C_BITS: tl.constexpr,
+    R_BITS: tl.constexpr,
+    C_W: tl.constexpr,
+    R_W: tl.constexpr,
+    SINK: tl.constexpr,
+    RECENT: tl.constexpr,
+    HAS_PROT: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PV_SPLIT: tl.constexpr,
+    IEEE: tl.constexpr,
+    KV: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    pid_h = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    L = tl.load(LENS + b).to(tl.int32)
+    heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    dc = tl.arange(0, DC)
+    dr = tl.arange(0, DR)
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + dc[None, :], mask=hmask[:, None], other=0.0)
+    qpe = tl.load(QPE + b * stride_rb + heads[:, None] * stride_rh + dr[None, :], mask=hmask[:, None], other=0.0)
+
+    n_tiles = tl.cdiv(L, BLOCK_N)
+    t_lo = pid_s * tiles_per_split
+    t_hi = tl.minimum(t_lo + tiles_per_split, n_tiles)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, DC], tl.float32)
+    if HAS_PROT:
+        low_hi = L - RECENT  # tokens SINK <= t < L - RECENT are read from the pages
+    else:
+        low_hi = L
+    TPP: tl.constexpr = PAGE_SIZE // BLOCK_N  # tiles per page: a tile never straddles two pages
+    for t in range(t_lo, t_hi):
+        offs = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        valid = (offs < low_hi) & (offs >= SINK)
+        page = tl.load(BT + b * stride_bt + t // TPP).to(tl.int64)
+        slots = (t % TPP) * BLOCK_N + tl.arange(0, BLOCK_N)
+        kc = load_tile(
+            CRows, CCodes, CScale, CZero, ps_crows, ps_ccodes, ps_cscale, ps_czero,
+            page, slots, valid, DC, C_BITS, C_W, G, BLOCK_N, KV, INTERP,
+        )  # fmt: skip
+        kr = load_tile(
+            RRows, RCodes, RScale, RZero, ps_rrows, ps_rcodes, ps_rscale, ps_rzero,
+            page, slots, valid, DR, R_BITS, R_W, G, BLOCK_N, KV, INTERP,
+        )  # fmt: skip
+        if C_BITS < 16:
+            kc = anchor(kc, INTERP)
+        m_i, l_i, acc = _online(
+            q, qpe, kc, kr, valid, m_i, l_i, acc, qk_scale, BLOCK_H, BLOCK_N, PV_SPLIT, IEEE, KV, INTERP
+        )
+    if HAS_PROT:
+        if pid_s == 0:  # the protected rows: sink rows, then the ring of the latest RECENT tokens
+            ROWS: tl.constexpr = SINK + RECENT
+            for r0 in range(0, ROWS, BLOCK_N):
+                r = r0 + tl.arange(0, BLOCK_N)
+                ring = r - SINK
+                base = tl.maximum(L - RECENT, 0)
+                tok = tl.where(L <= RECENT, ring, base + (ring - base % RECENT + RECENT) % RECENT)
+                valid = tl.where(r < SINK, r < L, (r < ROWS) & (tok >= SINK) & (tok < L))
+                rows = PROT + b * stride_pb + r[:, None] * (DC + DR)
+                kc = tl.load(rows + dc[None, :], mask=valid[:, None], other=0.0)
+                kr = tl.load(rows + DC + dr[None, :], mask=valid[:, None], other=0.0)
+                m_i, l_i, acc = _online(
+                    q, qpe, kc, kr, valid, m_i, l_i, acc, qk_scale, BLOCK_H, BLOCK_N, PV_SPLIT, IEEE, KV, INTERP
+                )
+
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    o_ptr = O + b * stride_ob + heads[:, None] * stride_oh + pid_s * stride_os + dc[None, :]
+    tl.store(o_ptr, o, mask=hmask[:, None])
+    if SPLIT:
+        tl.store(LSE + (b * H + heads) * tl.num_programs(1) + pid_s, lse, mask=hmask)
+    else:
+        tl.store(LSE + b * H + heads, lse, mask=hmask)
+
+
+@triton.jit
+def _combine_kernel(OP, LSEP, O, LSE, S, DC: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Merge the ``S`` partial (output, LSE) pairs of one (request, head) row, ``BLOCK_D`` columns per program."""
+    row = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    sp = tl.arange(0, BLOCK_S)
+    m = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        m = tl.maximum(m, tl.load(LSEP + row * S + s0 + sp, mask=s0 + sp < S, other=float("-inf")))
+    m_all = tl.max(m, 0)
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    total = tl.zeros([BLOCK_S], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        ok = s0 + sp < S
+        w = tl.exp(tl.load(LSEP + row * S + s0 + sp, mask=ok, other=float("-inf")) - m_safe)
+        o = tl.load(OP + (row * S + s0 + sp[:, None]) * DC + d[None, :], mask=ok[:, None], other=0.0)
+        total += w
+        acc += tl.sum(w[:, None] * o, 0)
+    t = tl.sum(total, 0)
+    has = t > 0
+    tl.store(O + row * DC + d, acc / tl.where(has, t, 1.0))
+    if tl.program_id(1) == 0:
+        tl.store(LSE + row, tl.where(has, m_safe + tl.log(tl.where(has, t, 1.0)), float("-inf")))
+
+
+SM_COUNT = {}
+
+
+def _sms(device) -> int:
+    if device.type != "cuda":
+        return 132
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in SM_COUNT:
+        SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return SM_COUNT[i]
+
+
+def _splits(B: int, heads: int, tiles: int, slots: int) -> int:
+    """Split count that fills the GPU in whole waves: the fewest splits whose programs cover the
+    ``slots`` (SMs × resident programs) at >= 90% wave efficiency, else the most efficient."""
+    best, best_eff = 1, 0.0
+    for s in range(1, max(1, min(tiles, -(-2 * slots // (B * heads)))) + 1):
+        p = B * heads * s
+        eff = p / (-(-p // slots) * slots)
+        if p >= slots and eff >= 0.9:
+            return s
+        if eff > best_eff + 1e-9:
+            best, best_eff = s, eff
+    return best
+
+
+def default_config(B: int, H: int, max_len: int, fmt, device) -> dict:
+    """Tiles, warps and splits for one decode shape (tuning notes: bench/NOTES.md).
+
+    One request's heads share each tile: 16 heads per program for small H, 32 for large H
+    (the largest that keeps the float32 accumulator and the reconstructed tile in registers
+    without spills on sm_90). Splits fill the GPU at batch 1 and vanish at large batch.
+    """
+    if INTERPRET:
+        block_h = max(16, triton.next_power_of_2(min(H, 64)))
+        return dict(block_h=block_h, block_n=64, num_splits=2, num_warps=4, num_stages=1)
+    block_h = 16 if H <= 16 else 32
+    block_n = 64  # measured best for every format at H = 16 and H = 128 (bench/NOTES.md, v2)
+    heads = triton.cdiv(H, block_h)
+    tiles = max(1, triton.cdiv(max_len, block_n))
+    splits = _splits(B, heads, tiles, _sms(device))
+    return dict(block_h=block_h, block_n=block_n, num_splits=splits, num_warps=8, num_stages=2)
+
+
+def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | None = None, out=None):
+    """Triton decode; see :func:`quantmla.kernels.reference.decode` for the contract."""
+    fmt = layer.fmt
+    B, H, _ = q_lat.shape
+    dev = q_lat.device
+    config = config or {}
+    max_len = int(config["max_len"]) if "max_len" in config else (int(lengths.max()) if B else 0)
+    cfg = default_config(B, H, max_len, fmt, dev) | config
+    block_h, block_n = cfg["block_h"], cfg["block_n"]
+    if block_h < 16 or block_n < 16 or PAGE % block_n or (block_h & (block_h - 1)):
+        raise ValueError(f"decode tiles: block_n must divide {PAGE}, both powers of two of at least 16; got {cfg}")
+    tiles = max(1, triton.cdiv(max_len, block_n))
+    splits = max(1, min(int(cfg["num_splits"]), tiles))
+    per = triton.cdiv(tiles, splits)
+    splits = triton.cdiv(tiles, per)
+    q = q_lat.to(fmt.dtype).contiguous()
+    qpe = q_pe.to(fmt.dtype).contiguous()
+    o, lse = out if out is not None else (torch.empty(B, H, fmt.d_c, dtype=torch.float32, device=dev), None)
+    lse = lse if lse is not None else torch.empty(B, H, dtype=torch.float32, device=dev)
+    if B == 0:
+        return o, lse
+    split = splits > 1
+    op = torch.empty(B, H, splits, fmt.d_c, dtype=torch.float32, device=dev) if split else o.unsqueeze(2)
+    lsep = torch.empty(B, H, splits, dtype=torch.float32, device=dev) if split else lse
+    prot = layer.prot if layer.prot is not None else q
+    grid = (triton.cdiv(H, block_h), splits, B)
+    _decode_kernel[grid](
+        q,
+        qpe,
+        op,
+        lsep,
+        block_table,
+        lengths,
+        prot,
+        *region_args(layer, "C"),
+        *region_args(layer, "R"),
+        H,
+        q.stride(0),
+        q.stride(1),
+        qpe.stride(0),
+        qpe.stride(1),
+        prot.stride(0),
+        op.stride(0),
+        op.stride(1),
+        op.stride(2),
+        block_table.stride(0),
+        per,
+        tau * LOG2E,
+        DC=fmt.d_c,
+        DR=fmt.d_r,
+        G=fmt.group,
+        C_BITS=fmt.content_bits,
+        R_BITS=fmt.rope_bits,
+        C_W=container_bits(fmt.content_bits),
+        R_W=container_bits(fmt.rope_bits),
+        SINK=layer.sink,
+        RECENT=layer.recent,
+        HAS_PROT=layer.prot is not None,
+        PAGE_SIZE=PAGE,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        SPLIT=split,
+        PV_SPLIT=fmt.dtype != torch.float32,
+        IEEE=fmt.dtype == torch.float32,
+        KV=tl_dtype(fmt.dtype),
+        INTERP=INTERPRET,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    if split:
+        block_d = min(64, fmt.d_c)
+        _combine_kernel[(B * H, fmt.d_c // block_d)](
+            op, lsep, o, lse, splits, DC=fmt.d_c, BLOCK_S=min(32, triton.next_power_of_2(splits)), BLOCK_D=block_d
+        )
+    return o, lse
+
+
+__all__ = ["decode", "default_config"]

@@ -1,0 +1,265 @@
+"""Teacher-forced attention with the decode-faithful protection rule (spec §9 item 1).
+
+For evaluation: every query of a sequence attends causally to its keys, and the pair
+(query ``t``, key ``j``) uses the cache-dtype row of ``j`` iff ``j < sink`` or
+``j > t - recent``, else the row stored in the pages, in the scores and in the aggregation
+under one softmax::
+
+    S = where(M, S_row, S_stored),   O = (P ⊙ M) C + (P ⊙ ¬M) Ĉ
+
+so log-likelihoods see exactly what token-by-token decoding would. All H heads share the
+latent keys, so a program takes a block of rows (query, head) — ``BLOCK_M`` of them, query
+major — and each key tile is read and dequantized once for all of them. Grid
+``(row blocks, batch)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from quantmla.kernels._tiles import INTERPRET, anchor, container_bits, dot, load_tile, region_args, tl_dtype
+from quantmla.kernels.layout import PAGE
+from quantmla.kernels.triton_decode import LOG2E
+
+
+@triton.jit
+def _pv(p, x, acc, PV_SPLIT: tl.constexpr, IEEE: tl.constexpr, KV: tl.constexpr, INTERP: tl.constexpr):
+    if PV_SPLIT:
+        p_hi = p.to(KV)
+        acc = dot(p_hi, x, acc, IEEE, INTERP)
+        return dot((p - p_hi.to(tl.float32)).to(KV), x, acc, IEEE, INTERP)
+    else:
+        return dot(p.to(KV), x, acc, IEEE, INTERP)
+
+
+@triton.jit
+def _prefill_kernel(
+    Q,
+    QPE,
+    O,
+    LSE,
+    C,
+    KP,
+    KVLEN,
+    QLEN,
+    BT,
+    CRows,
+    CCodes,
+    CScale,
+    CZero,
+    ps_crows,
+    ps_ccodes,
+    ps_cscale,
+    ps_czero,
+    RRows,
+    RCodes,
+    RScale,
+    RZero,
+    ps_rrows,
+    ps_rcodes,
+    ps_rscale,
+    ps_rzero,
+    H,
+    N,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_rb,
+    stride_rh,
+    stride_rn,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    stride_cb,
+    stride_cl,
+    stride_kb,
+    stride_kl,
+    stride_bt,
+    qk_scale,
+    DC: tl.constexpr,
+    DR: tl.constexpr,
+    G: tl.constexpr,
+    C_BITS: tl.constexpr,
+    R_BITS: tl.constexpr,
+    C_W: tl.constexpr,
+    R_W: tl.constexpr,
+    QUANT: tl.constexpr,
+    SINK: tl.constexpr,
+    RECENT: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PV_SPLIT: tl.constexpr,
+    IEEE: tl.constexpr,
+    KV: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    kv_len = tl.load(KVLEN + b).to(tl.int64)
+    q_len = tl.load(QLEN + b).to(tl.int64)
+    r = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    i = (r // H).to(tl.int64)
+    h = (r % H).to(tl.int64)
+    in_out = i < N
+    live = i < q_len
+    tq = kv_len - q_len + i  # token index of each row's query
+    dc = tl.arange(0, DC)
+    dr = tl.arange(0, DR)
+    q = tl.load(
+        Q + b * stride_qb + h[:, None] * stride_qh + i[:, None] * stride_qn + dc[None, :], mask=live[:, None], other=0.0
+    )
+    qpe = tl.load(
+        QPE + b * stride_rb + h[:, None] * stride_rh + i[:, None] * stride_rn + dr[None, :],
+        mask=live[:, None],
+        other=0.0,
+    )
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DC], tl.float32)
+    t_max = tl.max(tl.where(live, tq, -1))
+    n_keys = tl.minimum(t_max + 1, kv_len)
+    for k0 in range(0, n_keys, BLOCK_N):
+        j = k0 + tl.arange(0, BLOCK_N)
+        jv = j < kv_len
+        xc = tl.load(C + b * stride_cb + j[:, None] * stride_cl + dc[None, :], mask=jv[:, None], other=0.0)
+        xr = tl.load(KP + b * stride_kb + j[:, None] * stride_kl + dr[None, :], mask=jv[:, None], other=0.0)
+        s = dot(q, tl.trans(xc), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE, INTERP)
+        s = dot(qpe, tl.trans(xr), s, IEEE, INTERP)
+        ok = jv[None, :] & (j[None, :] <= tq[:, None]) & live[:, None]
+        if QUANT:  # the stored copies of the same keys, and the per-pair choice
+            page = tl.load(BT + b * stride_bt + k0 // PAGE_SIZE).to(tl.int64)
+            slots = k0 % PAGE_SIZE + tl.arange(0, BLOCK_N)
+            hc = load_tile(
+                CRows, CCodes, CScale, CZero, ps_crows, ps_ccodes, ps_cscale, ps_czero,
+                page, slots, jv, DC, C_BITS, C_W, G, BLOCK_N, KV, INTERP,
+            )  # fmt: skip
+            hr = load_tile(
+                RRows, RCodes, RScale, RZero, ps_rrows, ps_rcodes, ps_rscale, ps_rzero,
+                page, slots, jv, DR, R_BITS, R_W, G, BLOCK_N, KV, INTERP,
+            )  # fmt: skip
+            if C_BITS < 16:
+                hc = anchor(hc, INTERP)
+            keep = (j[None, :] < SINK) | (j[None, :] > tq[:, None] - RECENT)
+            sh = dot(q, tl.trans(hc), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE, INTERP)
+            sh = dot(qpe, tl.trans(hr), sh, IEEE, INTERP)
+            s = tl.where(keep, s, sh)
+        s = tl.where(ok, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if QUANT:
+            pk = tl.where(keep, p, 0.0)
+            acc = _pv(pk, xc, acc, PV_SPLIT, IEEE, KV, INTERP)
+            acc = _pv(p - pk, hc, acc, PV_SPLIT, IEEE, KV, INTERP)
+        else:
+            acc = _pv(p, xc, acc, PV_SPLIT, IEEE, KV, INTERP)
+        m_i = m_new
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    tl.store(O + b * stride_ob + h[:, None] * stride_oh + i[:, None] * stride_on + dc[None, :], o, mask=in_out[:, None])
+    tl.store(LSE + (b * H + h) * N + i, lse, mask=in_out)
+
+
+def default_config(H: int, n: int, fmt, quantized: bool) -> dict:
+    """Tiles for the teacher-forced kernel (from the compiler's register report on sm_90: the quantized
+    variant keeps two key tiles live, so it takes narrower key tiles)."""
+    if INTERPRET:
+        return dict(block_m=64, block_n=64, num_warps=4, num_stages=1)
+    return dict(block_m=32, block_n=16 if quantized else 32, num_warps=8, num_stages=2)
+
+
+def prefill(
+    q_lat,
+    q_pe,
+    C,
+    K_P,
+    kv_len,
+    q_len,
+    tau: float,
+    sink: int,
+    recent: int,
+    layer=None,
+    block_table=None,
+    config=None,
+    out=None,
+):
+    """Triton teacher-forced attention; see :func:`quantmla.kernels.reference.prefill`."""
+    B, H, n, d_c = q_lat.shape
+    d_r = K_P.shape[-1]
+    dtype = C.dtype
+    quant = layer is not None
+    fmt = layer.fmt if quant else _Plain(d_c, d_r, dtype)
+    cfg = default_config(H, n, fmt, quant) | (config or {})
+    block_m, block_n = cfg["block_m"], cfg["block_n"]
+    if block_n < 16 or block_m < 16 or PAGE % block_n or (block_m & (block_m - 1)):
+        raise ValueError(f"prefill tiles: block_n must divide {PAGE}, both powers of two of at least 16; got {cfg}")
+    q = q_lat.to(dtype)
+    qpe = q_pe.to(dtype)
+    if out is not None:
+        o, lse = out
+    else:
+        o = torch.empty(B, H, n, d_c, dtype=torch.float32, device=q.device)
+        lse = torch.empty(B, H, n, dtype=torch.float32, device=q.device)
+    if B == 0 or n == 0:
+        return o, lse
+    regions = region_args(layer, "C") + region_args(layer, "R") if quant else (C, C, C, C, 0, 0, 0, 0) * 2
+    bt = block_table if quant else kv_len
+    grid = (triton.cdiv(n * H, block_m), B)
+    _prefill_kernel[grid](
+        q,
+        qpe,
+        o,
+        lse,
+        C,
+        K_P,
+        kv_len,
+        q_len,
+        bt,
+        *regions,
+        H,
+        n,
+        *q.stride()[:3],
+        *qpe.stride()[:3],
+        *o.stride()[:3],
+        C.stride(0),
+        C.stride(1),
+        K_P.stride(0),
+        K_P.stride(1),
+        bt.stride(0),
+        tau * LOG2E,
+        DC=d_c,
+        DR=d_r,
+        G=fmt.group,
+        C_BITS=fmt.content_bits,
+        R_BITS=fmt.rope_bits,
+        C_W=container_bits(fmt.content_bits),
+        R_W=container_bits(fmt.rope_bits),
+        QUANT=quant,
+        SINK=sink if quant else 0,
+        RECENT=recent if quant else 0,
+        PAGE_SIZE=PAGE,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        PV_SPLIT=dtype != torch.float32,
+        IEEE=dtype == torch.float32,
+        KV=tl_dtype(dtype),
+        INTERP=INTERPRET,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    return o, lse
+
+
+class _Plain:
+    """Format stand-in for an unquantized teacher-forced call (no pages)."""
+
+    def __init__(self, d_c, d_r, dtype):
+        self.d_c, self.d_r, self.dtype = d_c, d_r, dtype
+        self.group, self.content_bits, self.rope_bits = 64, 16, 16

@@ -1,0 +1,194 @@
+"""A transformers ``Cache`` over the paged latent cache, so ``model.generate`` runs through the core.
+
+Pass ``quantmla.attention.new_cache(model, batch, max_len)`` as ``past_key_values``. Every
+:class:`~quantmla.attention.LatentAttention` layer then writes its new tokens with the fused
+writer and attends with the core:
+
+- a first chunk (prompt prefill) is written into pages and attended teacher-forced, each
+  (query, key) pair following the decode-faithful protection rule;
+- a single new token per request (decode) is written, then attended by the decode kernel
+  over the pages and the protection buffers;
+- several new tokens after a prefix are processed one at a time (write, decode), which is
+  what the protection rule means for them.
+
+Padding columns (from the attention mask) are not stored: a request's pages hold its own
+tokens, so token indices for protection count only real tokens. Beam search and cache
+cropping are not supported (a clear error says so).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from quantmla import kernels
+from quantmla.kernels.layout import PAGE, PagedLayer, PageFormat
+
+
+class LatentCacheLayer(CacheLayerMixin):
+    """Bookkeeping seen by transformers for one layer (columns seen so far); data lives in the pages."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self):
+        super().__init__()
+        self.columns = 0
+        self.paged: PagedLayer | None = None
+        self.lengths: list[int] = []
+        self.lengths_dev: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise TypeError(
+            "the paged latent cache is written by quantmla's LatentAttention; install it first "
+            "(quantmla.attention.install(model, spec))"
+        )
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.columns + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.columns
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.columns = 0
+        self.paged = None
+        self.lengths = []
+        self.lengths_dev = None
+        self.is_initialized = False
+
+    def _unsupported(self, what: str):
+        if self.columns:
+            raise NotImplementedError(f"{what} is not supported by the paged latent cache (greedy/sampling only)")
+
+    def reorder_cache(self, beam_idx) -> None:
+        self._unsupported("beam search (reorder_cache)")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove:
+            self._unsupported("cropping the cache")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._unsupported("expanding the batch of a filled cache")
+
+    def batch_select_indices(self, indices) -> None:
+        self._unsupported("selecting requests of a filled cache")
+
+
+class LatentCache(Cache):
+    """Paged latent cache for ``num_layers`` decoder layers (one block table shared by all)."""
+
+    def __init__(self, num_layers: int, batch_size: int | None = None, max_length: int | None = None, backend="auto"):
+        super().__init__(layers=[LatentCacheLayer() for _ in range(num_layers)])
+        self.max_length = max_length
+        self.backend = kernels.check_backend(backend)
+        self.pages: list[list[int]] = []
+        self.next_page = 0
+        self.block_table: torch.Tensor | None = None
+        self.capacity = 0
+        self.batch_hint = batch_size
+
+    # ----- page allocation (shared by all layers) ----------------------------------------------
+    def _ensure_pages(self, lengths: list[int], device) -> None:
+        B = len(lengths)
+        if not self.pages:
+            self.pages = [[] for _ in range(B)]
+        grew = False
+        for b, L in enumerate(lengths):
+            while len(self.pages[b]) * PAGE < L:
+                self.pages[b].append(self.next_page)
+                self.next_page += 1
+                grew = True
+        if grew or self.block_table is None:
+            width = max(1, max(len(p) for p in self.pages))
+            table = torch.zeros(B, width, dtype=torch.int32)
+            for b, p in enumerate(self.pages):
+                table[b, : len(p)] = torch.tensor(p, dtype=torch.int32)
+            self.block_table = table.to(device)
+
+    def _layer(self, idx: int, spec, C: torch.Tensor, K_P: torch.Tensor) -> LatentCacheLayer:
+        layer = self.layers[idx]
+        if layer.paged is None:
+            B = C.shape[0]
+            fmt = PageFormat.from_spec(spec, C.shape[-1], K_P.shape[-1], C.dtype)
+            pages = max(self.next_page, B * -(-(self.max_length or 256) // PAGE))
+            sink, recent = (spec.sink, spec.recent) if spec.protected else (0, 0)
+            layer.paged = PagedLayer(fmt, pages, C.device, batch=B, sink=sink, recent=recent)
+            layer.lengths = [0] * B
+            layer.lengths_dev = torch.zeros(B, dtype=torch.int64, device=C.device)
+            layer.is_initialized = True
+        return layer
+
+    # ----- attention through the core ------------------------------------------------------------
+    def attend(self, layer_idx: int, spec, q_lat, q_pe, C, K_P, key_valid, tau: float, backend: str | None = None):
+        """Write this layer's new tokens and attend: o_lat (B, H, n, d_c) float32.
+
+        C (B, 1, n, d_c) and K_P (B, 1, n, d_r) are the new latents, q_lat/q_pe (B, H, n, ·)
+        their queries, ``key_valid`` (B, columns) the mask's key validity (None: all valid).
+        """
+        backend = backend or self.backend
+        C, K_P = C[:, 0], K_P[:, 0]
+        B, n = C.shape[0], C.shape[1]
+        layer = self._layer(layer_idx, spec, C, K_P)
+        if len(layer.lengths) != B:
+            raise ValueError(f"the cache holds {len(layer.lengths)} requests but the batch has {B}")
+        new_valid = key_valid[:, -n:] if key_valid is not None else torch.ones(B, n, dtype=torch.bool, device=C.device)
+        counts = new_valid.sum(1).tolist()
+        before = list(layer.lengths)
+        after = [a + c for a, c in zip(before, counts)]
+        self._ensure_pages(after, C.device)
+        if layer.paged.num_pages < self.next_page:
+            layer.paged.grow(max(self.next_page, 2 * layer.paged.num_pages))
+        paged, bt = layer.paged, self.block_table
+        layer.columns += n
+        if n > 1 and not any(before):
+            o = self._prefill(layer, spec, q_lat, q_pe, C, K_P, new_valid, counts, tau, backend)
+        else:
+            outs = []
+            for i in range(n):
+                v = new_valid[:, i]
+                rows = v.nonzero().squeeze(1)
+                lens = layer.lengths_dev + v.long()
+                kernels.write(
+                    paged, bt, C[rows, i], K_P[rows, i], rows.to(torch.int32), layer.lengths_dev[rows], lens, backend
+                )
+                layer.lengths_dev = lens
+                o_i, _ = kernels.decode(paged, bt, lens, q_lat[:, :, i], q_pe[:, :, i], tau, backend)
+                outs.append(o_i * v[:, None, None])
+            o = torch.stack(outs, 2)
+        layer.lengths = after
+        return o
+
+    def _prefill(self, layer, spec, q_lat, q_pe, C, K_P, new_valid, counts, tau, backend):
+        B, n = new_valid.shape
+        dev = C.device
+        kv_len = torch.tensor(counts, dtype=torch.int64, device=dev)
+        pos = (new_valid.cumsum(1) - 1)[new_valid]
+        req = torch.arange(B, device=dev).unsqueeze(1).expand(B, n)[new_valid].to(torch.int32)
+        kernels.write(layer.paged, self.block_table, C[new_valid], K_P[new_valid], req, pos, kv_len, backend)
+        layer.lengths_dev = kv_len.clone()
+        sink, recent = (spec.sink, spec.recent) if spec.protect else (0, 0)
+        if not spec.quantized:
+            return kernels.attend(
+                q_lat, q_pe, C, K_P, None if bool(new_valid.all()) else new_valid, spec, tau, backend
+            )[0]
+        # the pages just written are the stored copies; the chunk itself gives the cache-dtype rows
+        order = torch.sort((~new_valid).to(torch.int8), dim=1, stable=True).indices
+        Cc = C.gather(1, order.unsqueeze(-1).expand(B, n, C.shape[-1]))
+        Kc = K_P.gather(1, order.unsqueeze(-1).expand(B, n, K_P.shape[-1]))
+        H = q_lat.shape[1]
+        qc = q_lat.gather(2, order[:, None, :, None].expand(B, H, n, q_lat.shape[-1]))
+        qpc = q_pe.gather(2, order[:, None, :, None].expand(B, H, n, q_pe.shape[-1]))
+        o, _ = kernels.prefill(
+            qc, qpc, Cc, Kc, kv_len, kv_len, tau, sink, recent, layer.paged, self.block_table, backend
+        )
+        rank = (new_valid.cumsum(1) - 1).clamp_min(0)
+        o = o.gather(2, rank[:, None, :, None].expand(B, H, n, o.shape[-1]))
+        return o * new_valid[:, None, :, None]

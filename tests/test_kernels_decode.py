@@ -1,0 +1,107 @@
+"""Decode attention: Triton kernel against the float32 reference, and the reference against the spec."""
+
+import pytest
+import torch
+from kernels_helpers import DEVICE, TOL, filled_layer, rel, same_inf
+
+from quantmla import kernels
+from quantmla.cache import protected_set
+from quantmla.kernels import PagedLayer, PageFormat
+from quantmla.kernels import reference as ref
+from quantmla.quant import qdq
+
+CASES = [
+    # content bits, RoPE bits, heads, lengths (ragged, shorter than the 132 protected rows, not page multiples)
+    (4, 4, 16, [300, 70, 1, 131]),
+    (2, 4, 16, [200, 133]),
+    (8, 8, 16, [97, 5]),
+    (4, 8, 20, [150, 64]),  # a head count that is not a multiple of 16
+    (3, 4, 16, [140]),
+    (16, 16, 16, [300, 70, 1]),
+    (16, 4, 16, [180]),
+    (4, 4, 128, [140, 33]),
+    (16, 16, 128, [90]),
+]
+
+
+def _queries(B, H, gen):
+    q = torch.randn(B, H, 512, generator=gen) * 0.5
+    qp = torch.randn(B, H, 64, generator=gen)
+    return q.to(DEVICE), qp.to(DEVICE)
+
+
+def _poisoned(B, H):
+    return (
+        torch.full((B, H, 512), float("nan"), device=DEVICE),
+        torch.full((B, H), float("nan"), device=DEVICE),
+    )
+
+
+@pytest.mark.parametrize("cb, rb, H, lengths", CASES, ids=lambda v: str(v))
+def test_decode_kernel_matches_reference(cb, rb, H, lengths):
+    gen = torch.Generator().manual_seed(H + cb * 7 + rb + len(lengths))
+    fmt = PageFormat(cb, rb)
+    layer, bt, lens, _, _ = filled_layer(fmt, lengths, gen)
+    q, qp = _queries(len(lengths), H, gen)
+    o_ref, lse_ref = ref.decode(layer, bt, lens, q, qp, 576**-0.5)
+    configs = [None, dict(num_splits=1), dict(num_splits=3, block_n=16)]
+    for cfg in configs if H == 16 and cb == 4 else configs[:1]:
+        out = _poisoned(len(lengths), H)
+        o, lse = kernels.decode(layer, bt, lens, q, qp, 576**-0.5, "triton", cfg, out=out)
+        assert o is out[0] and not torch.isnan(o).any() and not torch.isnan(lse).any()
+        assert rel(o, o_ref) < TOL, (cfg, rel(o, o_ref))
+        assert rel(lse, lse_ref) < TOL and same_inf(lse, lse_ref)
+
+
+def test_decode_of_an_empty_request():
+    gen = torch.Generator().manual_seed(0)
+    layer, bt, lens, _, _ = filled_layer(PageFormat(4, 4), [40, 0], gen)
+    q, qp = _queries(2, 16, gen)
+    o, lse = kernels.decode(layer, bt, lens, q, qp, 0.1, "triton")
+    assert torch.isinf(lse[1]).all() and (o[1] == 0).all() and torch.isfinite(lse[0]).all()
+
+
+@pytest.mark.parametrize("cb, rb", [(4, 4), (2, 4), (16, 16)])
+def test_reference_decode_is_the_spec(cb, rb):
+    """Float64 from the skeleton's quantizer (quant.qdq) and spec §3's protected set P_L."""
+    gen = torch.Generator().manual_seed(11)
+    fmt = PageFormat(cb, rb)
+    sink, recent = 4, 16
+    lengths = [90, 10]
+    layer, bt, lens, C, K = filled_layer(fmt, lengths, gen, sink=sink, recent=recent)
+    q, qp = _queries(2, 8, gen)
+    tau = 0.07
+    o, lse = ref.decode(layer, bt, lens, q, qp, tau)
+    for b, L in enumerate(lengths):
+        Cb, Kb = C[b, :L].cpu(), K[b, :L].cpu()
+        Ch = qdq(Cb, cb, 64, scale_dtype=torch.bfloat16).double()
+        Kh = qdq(Kb, rb, 64, scale_dtype=torch.float32).double()
+        keep = torch.zeros(L, dtype=torch.bool)
+        keep[protected_set(L, sink, recent)] = fmt.quantized
+        Ck = torch.where(keep[:, None], Cb.double(), Ch)
+        Kk = torch.where(keep[:, None], Kb.double(), Kh)
+        qb, qpb = q[b].cpu().to(fmt.dtype).double(), qp[b].cpu().to(fmt.dtype).double()
+        s = tau * (qb @ Ck.T + qpb @ Kk.T)
+        assert rel(o[b], torch.softmax(s, -1) @ Ck) < 1e-5
+        assert rel(lse[b], torch.logsumexp(s, -1)) < 1e-6
+
+
+def test_bad_decode_inputs_raise_before_launch():
+    gen = torch.Generator().manual_seed(2)
+    layer, bt, lens, _, _ = filled_layer(PageFormat(4, 4), [70], gen)
+    q, qp = _queries(1, 16, gen)
+    out = _poisoned(1, 16)
+    with pytest.raises(ValueError, match="outside the pool"):
+        kernels.decode(layer, bt + layer.num_pages, lens, q, qp, 0.1, out=out)
+    with pytest.raises(TypeError, match="must be floating point"):
+        kernels.decode(layer, bt, lens, q, qp.to(torch.int32), 0.1, out=out)
+    with pytest.raises(ValueError, match="latent widths"):
+        kernels.decode(layer, bt, lens, q[..., :256], qp, 0.1, out=out)
+    with pytest.raises(ValueError, match="needs 3 pages"):
+        kernels.decode(layer, bt, lens + 100, q, qp, 0.1, out=out)
+    with pytest.raises(ValueError, match="backend 'cuda'"):
+        kernels.decode(layer, bt, lens, q, qp, 0.1, backend="cuda", out=out)
+    with pytest.raises(ValueError, match="protection buffers hold 1"):
+        kernels.decode(layer, bt.repeat(2, 1), lens.repeat(2), q.repeat(2, 1, 1), qp.repeat(2, 1, 1), 0.1)
+    assert torch.isnan(out[0]).all() and torch.isnan(out[1]).all()  # nothing ran
+    assert isinstance(layer, PagedLayer)
