@@ -14,6 +14,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -21,16 +22,19 @@ import torch
 
 from quantmla.models import smollm2_mla as S
 
-MODELS = {"smollm2-mla": Path(__file__).resolve().parents[2] / "models" / "smollm2-mla"}
+MODELS = ("smollm2-mla",)
 
 
 def stored_file(name: str) -> Path:
+    """The stored healing file of ``name``: ``models/<name>/`` of a checkout, or its copy inside the wheel."""
     if name not in MODELS:
         raise ValueError(f"unknown model '{name}'; choose one of {', '.join(MODELS)}")
-    p = MODELS[name] / "heal.safetensors"
-    if not p.exists():
-        raise FileNotFoundError(f"{p} is missing: the stored weights of '{name}' are not in this checkout")
-    return p
+    here = Path(__file__).resolve().parent
+    candidates = [here.parents[1] / "models" / name / "heal.safetensors", here / "stored" / name / "heal.safetensors"]
+    for p in candidates:
+        if p.exists():
+            return p
+    raise FileNotFoundError(f"{candidates[0]} is missing: the stored weights of '{name}' are not in this installation")
 
 
 def cache_root() -> Path:
@@ -64,8 +68,11 @@ def assemble(src, stored: dict[str, torch.Tensor]):
     return model.eval()
 
 
-def build(name: str = "smollm2-mla", out: Path | None = None, force: bool = False) -> Path:
-    """Build ``name`` into ``out`` (default: a cache folder keyed by the stored file); returns the folder."""
+def build(name: str = "smollm2-mla", out: Path | None = None, force: bool = False, source=None) -> Path:
+    """Build ``name`` into ``out`` (default: a cache folder keyed by the stored file); returns the folder.
+
+    ``source``: an already loaded (Llama model, tokenizer) from :func:`smollm2_mla.load_source`.
+    """
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -74,12 +81,15 @@ def build(name: str = "smollm2-mla", out: Path | None = None, force: bool = Fals
     out = Path(out) if out else cache_root() / f"{name}-{fingerprint(stored_path)}"
     if (out / "BUILD.json").exists() and not force:
         return out
+    if out.exists() and any(out.iterdir()) and not (out / "BUILD.json").exists():
+        raise FileExistsError(f"{out} exists and is not a model build folder; choose another --out")
     t0 = time.time()
-    src, tok = S.load_source()
+    src, tok = source or S.load_source()
     model = assemble(src, load_file(stored_path))
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
+    tmp = out.with_name(out.name + ".partial")
+    tmp.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
     with safe_open(str(stored_path), "pt") as f:
         heal = json.loads(f.metadata().get("heal", "{}"))
     info = {
@@ -90,7 +100,10 @@ def build(name: str = "smollm2-mla", out: Path | None = None, force: bool = Fals
         "heal": {k: heal.get(k) for k in ("norm", "rho", "rank", "steps", "seq_len", "batch")},
         "seconds": round(time.time() - t0, 1),
     }
-    (out / "BUILD.json").write_text(json.dumps(info, indent=1))
+    (tmp / "BUILD.json").write_text(json.dumps(info, indent=1))
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)  # complete or absent: an interrupted build leaves only the .partial folder
     return out
 
 

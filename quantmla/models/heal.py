@@ -263,7 +263,7 @@ def train(args) -> dict:
         "seconds": round(time.time() - t0, 1),
         "device": torch.cuda.get_device_name() if dev.type == "cuda" else platform.processor(),
         "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__},
-        "command": " ".join(sys.argv),
+        "command": "python -m quantmla.models.heal " + " ".join(sys.argv[1:]),
     }
     meta["build_check"] = build_check(student, src, tensors, val_w[:1], dev)
     log(f"build check: {meta['build_check']}")

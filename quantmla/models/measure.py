@@ -237,6 +237,30 @@ def report(args) -> dict:
     return results
 
 
+def perplexity(args) -> dict:
+    """The project's ``eval=ppl`` (held-out Wikipedia) on SmolLM2 and on the MLA model, same settings."""
+    from quantmla.evals import EvalContext
+    from quantmla.evals.ppl import Perplexity
+    from quantmla.models import smollm2_mla as S
+    from quantmla.models.embedded import EmbeddedModel
+
+    ev = Perplexity(seq_len=args.seq_len, max_tokens=args.max_tokens)
+    ctx = EvalContext(progress=False)
+    out = {"eval": ev.to_dict()}
+    src, tok = S.load_source()
+    out["smollm2"] = ev.run(src, tok, ctx)
+    print("smollm2", out["smollm2"], flush=True)
+    del src
+    mla, tok = EmbeddedModel(dtype="float32").load("cpu")
+    out["mla"] = ev.run(mla, tok, ctx)
+    print("mla", out["mla"], flush=True)
+    out["ratio"] = out["mla"]["ppl"] / out["smollm2"]["ppl"]
+    print(json.dumps(out, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1))
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m quantmla.models.measure", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -260,8 +284,14 @@ def main(argv=None):
     p.add_argument("--scores", nargs="+", required=True)
     p.add_argument("--tokenizer", required=True)
     p.add_argument("--out", default=None)
+    q = sub.add_parser("ppl", help="eval=ppl on both models (CPU)")
+    q.add_argument("--seq-len", type=int, default=512)
+    q.add_argument("--max-tokens", type=int, default=16384)
+    q.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    if args.cmd == "requests":
+    if args.cmd == "ppl":
+        perplexity(args)
+    elif args.cmd == "requests":
         requests(Path(args.out), args.tokenizer, args.limit, args.ruler_samples, args.ruler_length)
     elif args.cmd == "score":
         score(args)

@@ -214,10 +214,11 @@ def key_stats(src, ids: torch.Tensor, batch: int = 4) -> dict[str, torch.Tensor]
     cfg = src.config
     L, G, H, hd = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim
     half = hd // 2
-    M = torch.zeros(L, half, G, G, dtype=torch.float64)
-    Qe = torch.zeros(L, half, G, dtype=torch.float64)
-    Ve = torch.zeros(L, dtype=torch.float64)
-    n = torch.zeros((), dtype=torch.float64)
+    dev = next(src.parameters()).device
+    M = torch.zeros(L, half, G, G, dtype=torch.float64, device=dev)
+    Qe = torch.zeros(L, half, G, dtype=torch.float64, device=dev)
+    Ve = torch.zeros(L, dtype=torch.float64, device=dev)
+    n = torch.zeros((), dtype=torch.float64, device=dev)
 
     def pairs(t):  # (..., hd) rotate_half layout -> (..., half, 2)
         return torch.stack([t[..., :half], t[..., half:]], dim=-1)
@@ -245,7 +246,7 @@ def key_stats(src, ids: torch.Tensor, batch: int = 4) -> dict[str, torch.Tensor]
     finally:
         for h in hooks:
             h.remove()
-    return {"M": M, "Qe": Qe, "Ve": Ve, "n": n}
+    return {"M": M.cpu(), "Qe": Qe.cpu(), "Ve": Ve.cpu(), "n": n.cpu()}
 
 
 def feature_energy(stats: dict[str, torch.Tensor], A: torch.Tensor) -> torch.Tensor:
