@@ -139,7 +139,7 @@ def requests(out: Path, tokenizer_dir: str, limit: int | None, ruler_samples: in
 
 # ----- scoring (no lm-eval needed) -------------------------------------------------------------
 @torch.no_grad()
-def score_ll(model, reqs, device, batch_tokens: int = 65536) -> list[tuple[float, bool]]:
+def score_ll(model, reqs, device, batch_tokens: int = 16384) -> list[tuple[float, bool]]:
     order = sorted(range(len(reqs)), key=lambda i: -len(reqs[i][0]) - len(reqs[i][1]))
     out: list = [None] * len(reqs)
     i = 0
