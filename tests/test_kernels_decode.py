@@ -21,32 +21,35 @@ CASES = [
     (16, 4, 16, [180]),
     (4, 4, 128, [140, 33]),
     (16, 16, 128, [90]),
+    (4, 4, 9, [150, 20], 384),  # a latent width that is not a power of two (the embedded model's)
+    (2, 4, 9, [70], 384),
 ]
 
 
-def _queries(B, H, gen):
-    q = torch.randn(B, H, 512, generator=gen) * 0.5
+def _queries(B, H, gen, d_c=512):
+    q = torch.randn(B, H, d_c, generator=gen) * 0.5
     qp = torch.randn(B, H, 64, generator=gen)
     return q.to(DEVICE), qp.to(DEVICE)
 
 
-def _poisoned(B, H):
+def _poisoned(B, H, d_c=512):
     return (
-        torch.full((B, H, 512), float("nan"), device=DEVICE),
+        torch.full((B, H, d_c), float("nan"), device=DEVICE),
         torch.full((B, H), float("nan"), device=DEVICE),
     )
 
 
-@pytest.mark.parametrize("cb, rb, H, lengths", CASES, ids=lambda v: str(v))
-def test_decode_kernel_matches_reference(cb, rb, H, lengths):
+@pytest.mark.parametrize("case", CASES, ids=lambda v: str(v))
+def test_decode_kernel_matches_reference(case):
+    cb, rb, H, lengths, d_c = case if len(case) == 5 else (*case, 512)
     gen = torch.Generator().manual_seed(H + cb * 7 + rb + len(lengths))
-    fmt = PageFormat(cb, rb)
+    fmt = PageFormat(cb, rb, d_c)
     layer, bt, lens, _, _ = filled_layer(fmt, lengths, gen)
-    q, qp = _queries(len(lengths), H, gen)
+    q, qp = _queries(len(lengths), H, gen, d_c)
     o_ref, lse_ref = ref.decode(layer, bt, lens, q, qp, 576**-0.5)
     configs = [None, dict(num_splits=1), dict(num_splits=3, block_n=16)]
     for cfg in configs if H == 16 and cb == 4 else configs[:1]:
-        out = _poisoned(len(lengths), H)
+        out = _poisoned(len(lengths), H, d_c)
         o, lse = kernels.decode(layer, bt, lens, q, qp, 576**-0.5, "triton", cfg, out=out)
         assert o is out[0] and not torch.isnan(o).any() and not torch.isnan(lse).any()
         assert rel(o, o_ref) < TOL, (cfg, rel(o, o_ref))

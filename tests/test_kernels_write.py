@@ -41,10 +41,10 @@ def _chunk(lengths, gen):
     return req[perm], pos[perm], torch.tensor(lengths)
 
 
-@pytest.mark.parametrize("cb, rb, dtype", FORMATS, ids=lambda v: str(v))
-def test_writer_matches_the_quantizer_bit_for_bit(cb, rb, dtype):
+@pytest.mark.parametrize("cb, rb, dtype, d_c", [(*f, 512) for f in FORMATS] + [(4, 4, torch.bfloat16, 384)], ids=str)
+def test_writer_matches_the_quantizer_bit_for_bit(cb, rb, dtype, d_c):
     gen = torch.Generator().manual_seed(cb * 100 + rb)
-    fmt = PageFormat(cb, rb, 512, 64, 64, dtype)
+    fmt = PageFormat(cb, rb, d_c, 64, 64, dtype)
     lengths = [150, 3, 64]
     bt, num = shuffled_table(3, 3, 2, gen)
     want, got = _poisoned_pair(fmt, num, 3, gen)

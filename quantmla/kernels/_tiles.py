@@ -30,6 +30,11 @@ TWO23 = 8388608.0
 ROUND_MAGIC = 12582912.0  # 1.5 * 2^23
 
 
+def padded(d: int) -> int:
+    """Tile width for a latent of width ``d``: the next power of two (Triton block shapes)."""
+    return triton.next_power_of_2(d)
+
+
 def container_bits(bits: int) -> int:
     return {2: 2, 3: 4, 4: 4, 8: 8, 16: 16}[bits]
 
@@ -107,6 +112,7 @@ def load_tile(
     slots,
     valid,
     D: tl.constexpr,
+    DP: tl.constexpr,
     BITS: tl.constexpr,
     W: tl.constexpr,
     G: tl.constexpr,
@@ -114,30 +120,34 @@ def load_tile(
     OUT: tl.constexpr,
     INTERP: tl.constexpr,
 ):
-    """(BLOCK_N, D) rows of one path for tokens at ``slots`` (BLOCK_N,) int32 of physical ``page``
-    (a scalar, int64); 0 where not ``valid``. The page base is one 64-bit scalar; the per-element
-    offsets inside a page stay 32-bit."""
-    cols = tl.arange(0, D)
+    """(BLOCK_N, DP) rows of one path for tokens at ``slots`` (BLOCK_N,) int32 of physical ``page``
+    (a scalar, int64); 0 where not ``valid`` and in the padding columns D..DP (DP is D rounded up
+    to a power of two, the width Triton tiles need). The page base is one 64-bit scalar; the
+    per-element offsets inside a page stay 32-bit."""
+    cols = tl.arange(0, DP)
     if BITS == 16:
         ptr = (rows_ptr + page * ps_rows) + (slots[:, None] * D + cols[None, :])
-        return tl.load(ptr, mask=valid[:, None], other=0.0).to(OUT)
+        return tl.load(ptr, mask=valid[:, None] & (cols[None, :] < D), other=0.0).to(OUT)
     else:
         PB: tl.constexpr = D * W // 8
         NG: tl.constexpr = D // G
+        NGP: tl.constexpr = DP // G
+        pb = tl.arange(0, DP * W // 8)
         b = tl.load(
-            (codes_ptr + page * ps_codes) + (slots[:, None] * PB + tl.arange(0, PB)[None, :]),
-            mask=valid[:, None],
+            (codes_ptr + page * ps_codes) + (slots[:, None] * PB + pb[None, :]),
+            mask=valid[:, None] & (pb[None, :] < PB),
             other=0,
         )
         q = unpack_codes(b, W)
-        g = tl.arange(0, NG)
-        s = tl.load((scale_ptr + page * ps_scale) + (slots[:, None] * NG + g[None, :]), mask=valid[:, None], other=0.0)
-        z = tl.load((zero_ptr + page * ps_zero) + (slots[:, None] * NG + g[None, :]), mask=valid[:, None], other=0)
+        g = tl.arange(0, NGP)
+        gm = valid[:, None] & (g[None, :] < NG)
+        s = tl.load((scale_ptr + page * ps_scale) + (slots[:, None] * NG + g[None, :]), mask=gm, other=0.0)
+        z = tl.load((zero_ptr + page * ps_zero) + (slots[:, None] * NG + g[None, :]), mask=gm, other=0)
         zf = z.to(tl.float32) + 8388608.0
-        q3 = tl.reshape(q, (BLOCK_N, NG, G))
+        q3 = tl.reshape(q, (BLOCK_N, NGP, G))
         f = (q3.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True)
         x = (f - zf[:, :, None]) * s.to(tl.float32)[:, :, None]
-        return to_cache(tl.reshape(x, (BLOCK_N, D)), OUT, INTERP)
+        return to_cache(tl.reshape(x, (BLOCK_N, DP)), OUT, INTERP)
 
 
 @triton.jit
@@ -160,6 +170,7 @@ def quantize_store(
     slot,
     ok,
     D: tl.constexpr,
+    DP: tl.constexpr,
     BITS: tl.constexpr,
     W: tl.constexpr,
     G: tl.constexpr,
@@ -167,15 +178,21 @@ def quantize_store(
     BLOCK_T: tl.constexpr,
     OUT: tl.constexpr,
 ):
-    """Quantize token rows ``x`` (BLOCK_T, D) and store codes, scales and zero-points (the rows
-    themselves at 16 bits) at ``page``/``slot`` (BLOCK_T,) where ``ok``."""
+    """Quantize token rows ``x`` (BLOCK_T, DP; columns D..DP are padding) and store codes, scales
+    and zero-points (the rows themselves at 16 bits) at ``page``/``slot`` (BLOCK_T,) where ``ok``."""
     if BITS == 16:
-        tl.store(rows_ptr + page[:, None] * ps_rows + slot[:, None] * D + tl.arange(0, D)[None, :], x, mask=ok[:, None])
+        cols = tl.arange(0, DP)
+        tl.store(
+            rows_ptr + page[:, None] * ps_rows + slot[:, None] * D + cols[None, :],
+            x,
+            mask=ok[:, None] & (cols[None, :] < D),
+        )
     else:
         M: tl.constexpr = (1 << BITS) - 1
         NG: tl.constexpr = D // G
+        NGP: tl.constexpr = DP // G
         PER: tl.constexpr = 8 // W
-        xg = tl.reshape(x.to(tl.float32), (BLOCK_T, NG, G))
+        xg = tl.reshape(x.to(tl.float32), (BLOCK_T, NGP, G))
         xmin = tl.min(xg, axis=2)
         xmax = tl.max(xg, axis=2)
         s = tl.div_rn(tl.maximum(xmax - xmin, 1e-8), M * 1.0)
@@ -183,20 +200,23 @@ def quantize_store(
             s = bf16_rtne(s)
         z = tl.minimum(tl.maximum(_round_half_even(tl.div_rn(-xmin, s)), 0.0), M * 1.0)
         q = tl.minimum(tl.maximum(_round_half_even(tl.div_rn(xg, s[:, :, None]) + z[:, :, None]), 0.0), M * 1.0)
-        codes = tl.reshape(q.to(tl.int32), (BLOCK_T, D // PER, PER))
+        codes = tl.reshape(q.to(tl.int32), (BLOCK_T, DP // PER, PER))
         shifts = tl.arange(0, PER) * W
         packed = tl.sum(codes << shifts[None, None, :], axis=2).to(tl.uint8)
-        cb = tl.arange(0, D // PER)
+        cb = tl.arange(0, DP // PER)
         tl.store(
-            codes_ptr + page[:, None] * ps_codes + slot[:, None] * (D // PER) + cb[None, :], packed, mask=ok[:, None]
+            codes_ptr + page[:, None] * ps_codes + slot[:, None] * (D // PER) + cb[None, :],
+            packed,
+            mask=ok[:, None] & (cb[None, :] < D // PER),
         )
-        g = tl.arange(0, NG)
+        g = tl.arange(0, NGP)
+        gm = ok[:, None] & (g[None, :] < NG)
         meta = page[:, None] * ps_scale + slot[:, None] * NG + g[None, :]
         if SCALE_BF16:
-            tl.store(scale_ptr + meta, s.to(tl.bfloat16), mask=ok[:, None])
+            tl.store(scale_ptr + meta, s.to(tl.bfloat16), mask=gm)
         else:
-            tl.store(scale_ptr + meta, s, mask=ok[:, None])
-        tl.store(zero_ptr + page[:, None] * ps_zero + slot[:, None] * NG + g[None, :], z.to(tl.uint8), mask=ok[:, None])
+            tl.store(scale_ptr + meta, s, mask=gm)
+        tl.store(zero_ptr + page[:, None] * ps_zero + slot[:, None] * NG + g[None, :], z.to(tl.uint8), mask=gm)
 
 
 def region_args(layer, path: str) -> tuple:

@@ -86,11 +86,15 @@ class PageFormat:
                 raise ValueError(f"{what} bits {b} are not supported by the cache layout; choose from {BITS}")
         if self.dtype not in DTYPES:
             raise ValueError(f"cache dtype {self.dtype} is not supported; use bfloat16, float16, float32 or float64")
-        for what, d in (("content latent width d_c", self.d_c), ("RoPE key width d_r", self.d_r)):
-            if not _is_pow2(d) or d > MAX_DIM or d < 16:
-                raise ValueError(
-                    f"{what}={d} cannot be held by the cache layout (needs a power of two in 16..{MAX_DIM})"
-                )
+        if self.d_c % 16 or not 16 <= self.d_c <= MAX_DIM:
+            raise ValueError(
+                f"content latent width d_c={self.d_c} cannot be held by the cache layout "
+                f"(needs a multiple of 16 in 16..{MAX_DIM})"
+            )
+        if not _is_pow2(self.d_r) or not 16 <= self.d_r <= MAX_DIM:
+            raise ValueError(
+                f"RoPE key width d_r={self.d_r} cannot be held by the cache layout (needs a power of two in 16..{MAX_DIM})"
+            )
         quantized = self.content_bits < 16 or self.rope_bits < 16
         if quantized and (not _is_pow2(self.group) or self.group < 16):
             raise ValueError(f"quantization group {self.group} must be a power of two >= 16 for the cache layout")

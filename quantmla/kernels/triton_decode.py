@@ -21,7 +21,16 @@ import torch
 import triton
 import triton.language as tl
 
-from quantmla.kernels._tiles import INTERPRET, anchor, container_bits, dot, load_tile, region_args, tl_dtype
+from quantmla.kernels._tiles import (
+    INTERPRET,
+    anchor,
+    container_bits,
+    dot,
+    load_tile,
+    padded,
+    region_args,
+    tl_dtype,
+)
 from quantmla.kernels.layout import PAGE
 
 LOG2E = 1.4426950408889634
@@ -87,6 +96,7 @@ def _decode_kernel(
     tiles_per_split,
     qk_scale,
     DC: tl.constexpr,
+    DCP: tl.constexpr,
     DR: tl.constexpr,
     G: tl.constexpr,
     C_BITS: tl.constexpr,
@@ -111,9 +121,10 @@ def _decode_kernel(
     L = tl.load(LENS + b).to(tl.int32)
     heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
-    dc = tl.arange(0, DC)
+    dc = tl.arange(0, DCP)
+    dcm = dc[None, :] < DC
     dr = tl.arange(0, DR)
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + dc[None, :], mask=hmask[:, None], other=0.0)
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + dc[None, :], mask=hmask[:, None] & dcm, other=0.0)
     qpe = tl.load(QPE + b * stride_rb + heads[:, None] * stride_rh + dr[None, :], mask=hmask[:, None], other=0.0)
 
     n_tiles = tl.cdiv(L, BLOCK_N)
@@ -121,7 +132,7 @@ def _decode_kernel(
     t_hi = tl.minimum(t_lo + tiles_per_split, n_tiles)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, DC], tl.float32)
+    acc = tl.zeros([BLOCK_H, DCP], tl.float32)
     if HAS_PROT:
         low_hi = L - RECENT  # tokens SINK <= t < L - RECENT are read from the pages
     else:
@@ -134,11 +145,11 @@ def _decode_kernel(
         slots = (t % TPP) * BLOCK_N + tl.arange(0, BLOCK_N)
         kc = load_tile(
             CRows, CCodes, CScale, CZero, ps_crows, ps_ccodes, ps_cscale, ps_czero,
-            page, slots, valid, DC, C_BITS, C_W, G, BLOCK_N, KV, INTERP,
+            page, slots, valid, DC, DCP, C_BITS, C_W, G, BLOCK_N, KV, INTERP,
         )  # fmt: skip
         kr = load_tile(
             RRows, RCodes, RScale, RZero, ps_rrows, ps_rcodes, ps_rscale, ps_rzero,
-            page, slots, valid, DR, R_BITS, R_W, G, BLOCK_N, KV, INTERP,
+            page, slots, valid, DR, DR, R_BITS, R_W, G, BLOCK_N, KV, INTERP,
         )  # fmt: skip
         if C_BITS < 16:
             kc = anchor(kc, INTERP)
@@ -155,7 +166,7 @@ def _decode_kernel(
                 tok = tl.where(L <= RECENT, ring, base + (ring - base % RECENT + RECENT) % RECENT)
                 valid = tl.where(r < SINK, r < L, (r < ROWS) & (tok >= SINK) & (tok < L))
                 rows = PROT + b * stride_pb + r[:, None] * (DC + DR)
-                kc = tl.load(rows + dc[None, :], mask=valid[:, None], other=0.0)
+                kc = tl.load(rows + dc[None, :], mask=valid[:, None] & dcm, other=0.0)
                 kr = tl.load(rows + DC + dr[None, :], mask=valid[:, None], other=0.0)
                 m_i, l_i, acc = _online(
                     q, qpe, kc, kr, valid, m_i, l_i, acc, qk_scale, BLOCK_H, BLOCK_N, PV_SPLIT, IEEE, KV, INTERP
@@ -165,7 +176,7 @@ def _decode_kernel(
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     o_ptr = O + b * stride_ob + heads[:, None] * stride_oh + pid_s * stride_os + dc[None, :]
-    tl.store(o_ptr, o, mask=hmask[:, None])
+    tl.store(o_ptr, o, mask=hmask[:, None] & dcm)
     if SPLIT:
         tl.store(LSE + (b * H + heads) * tl.num_programs(1) + pid_s, lse, mask=hmask)
     else:
@@ -291,6 +302,7 @@ def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | 
         per,
         tau * LOG2E,
         DC=fmt.d_c,
+        DCP=padded(fmt.d_c),
         DR=fmt.d_r,
         G=fmt.group,
         C_BITS=fmt.content_bits,
@@ -312,7 +324,7 @@ def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | 
         num_stages=cfg["num_stages"],
     )
     if split:
-        block_d = min(64, fmt.d_c)
+        block_d = min(64, fmt.d_c & -fmt.d_c)  # a power of two dividing d_c
         _combine_kernel[(B * H, fmt.d_c // block_d)](
             op, lsep, o, lse, splits, DC=fmt.d_c, BLOCK_S=min(32, triton.next_power_of_2(splits)), BLOCK_D=block_d
         )

@@ -19,7 +19,16 @@ import torch
 import triton
 import triton.language as tl
 
-from quantmla.kernels._tiles import INTERPRET, anchor, container_bits, dot, load_tile, region_args, tl_dtype
+from quantmla.kernels._tiles import (
+    INTERPRET,
+    anchor,
+    container_bits,
+    dot,
+    load_tile,
+    padded,
+    region_args,
+    tl_dtype,
+)
 from quantmla.kernels.layout import PAGE
 from quantmla.kernels.triton_decode import LOG2E
 
@@ -79,6 +88,7 @@ def _prefill_kernel(
     stride_bt,
     qk_scale,
     DC: tl.constexpr,
+    DCP: tl.constexpr,
     DR: tl.constexpr,
     G: tl.constexpr,
     C_BITS: tl.constexpr,
@@ -106,10 +116,13 @@ def _prefill_kernel(
     in_out = i < N
     live = i < q_len
     tq = kv_len - q_len + i  # token index of each row's query
-    dc = tl.arange(0, DC)
+    dc = tl.arange(0, DCP)
+    dcm = dc[None, :] < DC
     dr = tl.arange(0, DR)
     q = tl.load(
-        Q + b * stride_qb + h[:, None] * stride_qh + i[:, None] * stride_qn + dc[None, :], mask=live[:, None], other=0.0
+        Q + b * stride_qb + h[:, None] * stride_qh + i[:, None] * stride_qn + dc[None, :],
+        mask=live[:, None] & dcm,
+        other=0.0,
     )
     qpe = tl.load(
         QPE + b * stride_rb + h[:, None] * stride_rh + i[:, None] * stride_rn + dr[None, :],
@@ -118,13 +131,13 @@ def _prefill_kernel(
     )
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, DC], tl.float32)
+    acc = tl.zeros([BLOCK_M, DCP], tl.float32)
     t_max = tl.max(tl.where(live, tq, -1))
     n_keys = tl.minimum(t_max + 1, kv_len)
     for k0 in range(0, n_keys, BLOCK_N):
         j = k0 + tl.arange(0, BLOCK_N)
         jv = j < kv_len
-        xc = tl.load(C + b * stride_cb + j[:, None] * stride_cl + dc[None, :], mask=jv[:, None], other=0.0)
+        xc = tl.load(C + b * stride_cb + j[:, None] * stride_cl + dc[None, :], mask=jv[:, None] & dcm, other=0.0)
         xr = tl.load(KP + b * stride_kb + j[:, None] * stride_kl + dr[None, :], mask=jv[:, None], other=0.0)
         s = dot(q, tl.trans(xc), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE, INTERP)
         s = dot(qpe, tl.trans(xr), s, IEEE, INTERP)
@@ -134,11 +147,11 @@ def _prefill_kernel(
             slots = k0 % PAGE_SIZE + tl.arange(0, BLOCK_N)
             hc = load_tile(
                 CRows, CCodes, CScale, CZero, ps_crows, ps_ccodes, ps_cscale, ps_czero,
-                page, slots, jv, DC, C_BITS, C_W, G, BLOCK_N, KV, INTERP,
+                page, slots, jv, DC, DCP, C_BITS, C_W, G, BLOCK_N, KV, INTERP,
             )  # fmt: skip
             hr = load_tile(
                 RRows, RCodes, RScale, RZero, ps_rrows, ps_rcodes, ps_rscale, ps_rzero,
-                page, slots, jv, DR, R_BITS, R_W, G, BLOCK_N, KV, INTERP,
+                page, slots, jv, DR, DR, R_BITS, R_W, G, BLOCK_N, KV, INTERP,
             )  # fmt: skip
             if C_BITS < 16:
                 hc = anchor(hc, INTERP)
@@ -163,7 +176,9 @@ def _prefill_kernel(
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    tl.store(O + b * stride_ob + h[:, None] * stride_oh + i[:, None] * stride_on + dc[None, :], o, mask=in_out[:, None])
+    tl.store(
+        O + b * stride_ob + h[:, None] * stride_oh + i[:, None] * stride_on + dc[None, :], o, mask=in_out[:, None] & dcm
+    )
     tl.store(LSE + (b * H + h) * N + i, lse, mask=in_out)
 
 
@@ -235,6 +250,7 @@ def prefill(
         bt.stride(0),
         tau * LOG2E,
         DC=d_c,
+        DCP=padded(d_c),
         DR=d_r,
         G=fmt.group,
         C_BITS=fmt.content_bits,

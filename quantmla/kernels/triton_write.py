@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from quantmla.kernels._tiles import INTERPRET, container_bits, quantize_store, region_args, tl_dtype
+from quantmla.kernels._tiles import INTERPRET, container_bits, padded, quantize_store, region_args, tl_dtype
 from quantmla.kernels.layout import PAGE
 
 
@@ -47,6 +47,7 @@ def _write_kernel(
     stride_pb,
     DC: tl.constexpr,
     DR: tl.constexpr,
+    DCP: tl.constexpr,
     G: tl.constexpr,
     C_BITS: tl.constexpr,
     R_BITS: tl.constexpr,
@@ -65,28 +66,29 @@ def _write_kernel(
     t = tl.load(POS + tok, mask=ok, other=0).to(tl.int64)
     page = tl.load(BT + b * stride_bt + t // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
     slot = t % PAGE_SIZE
-    dc = tl.arange(0, DC)
+    dc = tl.arange(0, DCP)
+    dcm = dc[None, :] < DC
     dr = tl.arange(0, DR)
-    x = tl.load(C + tok[:, None] * stride_c + dc[None, :], mask=ok[:, None], other=0.0)
+    x = tl.load(C + tok[:, None] * stride_c + dc[None, :], mask=ok[:, None] & dcm, other=0.0)
     xr = tl.load(KP + tok[:, None] * stride_r + dr[None, :], mask=ok[:, None], other=0.0)
     quantize_store(
         x, CRows, CCodes, CScale, CZero, ps_crows, ps_ccodes, ps_cscale, ps_czero,
-        page, slot, ok, DC, C_BITS, C_W, G, True, BLOCK_T, OUT,
+        page, slot, ok, DC, DCP, C_BITS, C_W, G, True, BLOCK_T, OUT,
     )  # fmt: skip
     quantize_store(
         xr, RRows, RCodes, RScale, RZero, ps_rrows, ps_rcodes, ps_rscale, ps_rzero,
-        page, slot, ok, DR, R_BITS, R_W, G, False, BLOCK_T, OUT,
+        page, slot, ok, DR, DR, R_BITS, R_W, G, False, BLOCK_T, OUT,
     )  # fmt: skip
     if HAS_PROT:
         base = PROT + b * stride_pb
         sink = ok & (t < SINK)
         row = tl.where(sink, t, 0)
-        tl.store(base[:, None] + row[:, None] * (DC + DR) + dc[None, :], x, mask=sink[:, None])
+        tl.store(base[:, None] + row[:, None] * (DC + DR) + dc[None, :], x, mask=sink[:, None] & dcm)
         tl.store(base[:, None] + row[:, None] * (DC + DR) + DC + dr[None, :], xr, mask=sink[:, None])
         if RECENT > 0:
             ring = ok & (t >= tl.load(LENS_AFTER + b, mask=ok, other=0) - RECENT)
             row = SINK + t % RECENT
-            tl.store(base[:, None] + row[:, None] * (DC + DR) + dc[None, :], x, mask=ring[:, None])
+            tl.store(base[:, None] + row[:, None] * (DC + DR) + dc[None, :], x, mask=ring[:, None] & dcm)
             tl.store(base[:, None] + row[:, None] * (DC + DR) + DC + dr[None, :], xr, mask=ring[:, None])
 
 
@@ -114,6 +116,7 @@ def write(layer, block_table, C, K_P, req, pos, lens_after, block_t: int | None 
         block_table.stride(0),
         prot.stride(0),
         DC=fmt.d_c,
+        DCP=padded(fmt.d_c),
         DR=fmt.d_r,
         G=fmt.group,
         C_BITS=fmt.content_bits,
