@@ -12,7 +12,9 @@ matmul (139,264 for DeepSeek-V2-Lite; a fast Walsh–Hadamard transform needs d_
 per vector instead). H_P acts on the checkpoint's native interleaved pair order (spec §9
 item 15): for HF tensors in half-split order the online map is P·H_P with P the permutation to
 interleaved order. Sylvester construction, no random signs; ``content_block`` / ``rope_block``
-choose block-diagonal Hadamards (default: one block of the full width).
+choose block-diagonal Hadamards. By default one block spans the full width (512 and 64 for
+the paper's models); a width that is not a power of two gets the largest power-of-two block
+that divides it. Latent channels whose norm weight is zero are left out (``embed_live``).
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ from quantmla.methods import Method, MethodConfig, MethodContext, register
 from quantmla.transforms import (
     LayerTransform,
     block_hadamard,
+    embed_live,
     from_state,
     fuse,
     interleaved_order,
+    live_channels,
     online_rope_flops,
     rope_pairs,
     to_state,
@@ -40,8 +44,8 @@ def _power_of_two(n: int) -> bool:
 @dataclass
 class QuaRotConfig(MethodConfig):
     name = "quarot"
-    content_block: int | None = None  # Hadamard size on the content latent (None: the full d_c)
-    rope_block: int | None = None  # Hadamard size on the post-RoPE key (None: the full d_r)
+    content_block: int | None = None  # Hadamard size on the content latent (None: see default_block)
+    rope_block: int | None = None  # Hadamard size on the post-RoPE key (None: see default_block)
 
     def __post_init__(self):
         for what, b in (("content_block", self.content_block), ("rope_block", self.rope_block)):
@@ -49,20 +53,20 @@ class QuaRotConfig(MethodConfig):
                 raise ValueError(f"QuaRot† {what} {b} is not a power of two (Sylvester Hadamard)")
 
 
+def default_block(width: int, block: int | None, what: str = "content latent") -> int:
+    """``block``, or the full width if it is a power of two, else its largest power-of-two divisor."""
+    if block is not None:
+        if width % int(block):
+            raise ValueError(f"QuaRot† Hadamard size {block} does not divide the {what} width {width}")
+        return int(block)
+    return width & -width
+
+
 @register(QuaRotConfig)
 class QuaRot(Method):
     def check_dims(self, d_c: int, d_r: int) -> None:
-        for what, d, b in (
-            ("content latent", d_c, self.config.content_block),
-            ("RoPE key", d_r, self.config.rope_block),
-        ):
-            size = d if b is None else int(b)
-            if d % size:
-                raise ValueError(f"QuaRot† Hadamard size {size} does not divide the {what} width {d}")
-            if not _power_of_two(size):
-                raise ValueError(
-                    f"QuaRot† needs a power-of-two Hadamard size on the {what}; width {d} is not (set a block size)"
-                )
+        default_block(d_c, self.config.content_block)
+        default_block(d_r, self.config.rope_block, "RoPE key")
 
     def calibrate(self, model, adapters, ctx: MethodContext) -> dict:
         spec, cfg = ctx.spec, self.config
@@ -76,10 +80,14 @@ class QuaRot(Method):
             d = mla.dims
             t = LayerTransform()
             if do_C:
-                t.R_C = block_hadamard(d.d_c, cfg.content_block)
+                live = live_channels(mla)
+                n = int(live.sum())
+                t.R_C = embed_live(block_hadamard(n, default_block(n, cfg.content_block, "live content latent")), live)
             if do_P:
                 _, post = rope_pairs(mla)
-                t.H_P = interleaved_order(post, d.d_r) @ block_hadamard(d.d_r, cfg.rope_block)
+                t.H_P = interleaved_order(post, d.d_r) @ block_hadamard(
+                    d.d_r, default_block(d.d_r, cfg.rope_block, "RoPE key")
+                )
             transforms.append(t)
         self.info = {"online_rope_flops_per_token": sum(online_rope_flops(m) for m in adapters) if do_P else 0}
         return to_state(transforms)

@@ -29,6 +29,7 @@ from quantmla.transforms import (
     LayerTransform,
     from_state,
     fuse,
+    live_channels,
     rope_key_maps,
     to_state,
 )
@@ -68,7 +69,8 @@ class SmoothQuant(Method):
         train, heldout = cal.banks(ctx.tokenizer)
         a_C, a_P = activation_percentiles(model, train, cal.batch_size, cfg.percentile / 100, ctx.progress)
         alphas = sorted(cfg.alphas)
-        logs_C = {al: [alpha_log_scales(a, al, cfg.log_scale_clip) for a in a_C] for al in alphas}
+        live = [live_channels(m) for m in adapters]
+        logs_C = {al: [alpha_log_scales(a, al, cfg.log_scale_clip, v) for a, v in zip(a_C, live)] for al in alphas}
         logs_P = {al: [alpha_log_scales(a, al, cfg.log_scale_clip) for a in a_P] for al in alphas}
 
         def losses(lb):

@@ -298,10 +298,19 @@ def activation_percentiles(
     return [a.result() for a in acc_C], [a.result() for a in acc_P]
 
 
-def alpha_log_scales(a: torch.Tensor, alpha: float, clip: float = 2.0) -> torch.Tensor:
-    """Eq. 37/42: log s_j = clip(α [mean_k log ã_k − log ã_j], −clip, clip), ã = max(a, 1e-8)."""
+def alpha_log_scales(
+    a: torch.Tensor, alpha: float, clip: float = 2.0, live: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Eq. 37/42: log s_j = clip(α [mean_k log ã_k − log ã_j], −clip, clip), ã = max(a, 1e-8).
+
+    ``live`` (bool, content path) restricts the mean to live latent channels; dead ones get 0.
+    """
     la = torch.log(a.float().clamp_min(1e-8))
-    return (alpha * (la.mean() - la)).clamp(-clip, clip)
+    if live is None:
+        return (alpha * (la.mean() - la)).clamp(-clip, clip)
+    live = live.to(la.device)
+    out = (alpha * (la[live].mean() - la)).clamp(-clip, clip)
+    return torch.where(live, out, torch.zeros_like(out))
 
 
 @torch.no_grad()

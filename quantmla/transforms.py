@@ -18,6 +18,13 @@ to the weight dtype (float64 weights are fused in float64). :func:`quantized_con
 quantized fused layer effectively uses, mapped back to native coordinates: this is the
 training-time forward of spec §4.1/§4.2, which equals the fused model with QDQ inserted.
 
+Dead latent channels: a channel whose norm weight Γ is zero never reaches a consumer and is
+cached as zero (the embedded ``smollm2_mla`` model has such a group). Content transforms keep
+those channels out: ``R_C`` must be the identity on them and never mix them with live
+channels (:func:`embed_live` builds such a matrix), their fused norm weight stays zero, and
+scale statistics are taken over live channels only. Real checkpoints have no dead channels,
+so this changes nothing for them.
+
 Row-vector convention: a paper matrix ``W`` is ``weight.T`` of an ``nn.Linear``.
 """
 
@@ -51,6 +58,27 @@ def block_hadamard(d: int, block: int | None = None) -> torch.Tensor:
     if d % block:
         raise ValueError(f"Hadamard size {block} does not divide the dimension {d}")
     return torch.block_diag(*[hadamard(block)] * (d // block))
+
+
+def live_channels(mla: MLA) -> torch.Tensor:
+    """(d_c,) bool: latent channels whose norm weight Γ is non-zero (the others are cached as zero)."""
+    return (mla.gamma != 0).detach().cpu()
+
+
+def embed_live(R_live: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """A d_c × d_c map acting as ``R_live`` on the live channels and as the identity on dead ones."""
+    idx = live.nonzero().flatten()
+    if R_live.shape != (idx.numel(), idx.numel()):
+        raise ValueError(f"a {tuple(R_live.shape)} map does not fit {idx.numel()} live latent channels")
+    R = torch.eye(live.numel(), dtype=R_live.dtype)
+    R[idx.unsqueeze(1), idx.unsqueeze(0)] = R_live
+    return R
+
+
+def live_pairs_mask(live: torch.Tensor) -> torch.Tensor:
+    """(d_c, d_c) float mask of the entries a content rotation may use: live × live."""
+    f = live.float()
+    return f.unsqueeze(1) * f.unsqueeze(0)
 
 
 def cayley(P: torch.Tensor) -> torch.Tensor:
@@ -240,11 +268,16 @@ def fuse_content(mla: MLA, R: torch.Tensor | None = None, s: torch.Tensor | None
             b = w(kva.bias).clone()
             b[:d_c] = b[:d_c] @ R
             _write(kva.bias, b)
+    live = g != 0
+    if R is not None and not bool(live.all()):
+        mixed = R[~live][:, live].abs().max().item() + R[live][:, ~live].abs().max().item()
+        if mixed > 1e-6:
+            raise ValueError("a content transform may not mix latent channels whose norm weight is zero with live ones")
     Wb = w(kvb.weight) * g  # weight' = weight · diag(γ) R diag(1/s)
     if R is not None:
         Wb = Wb @ R
     _write(kvb.weight, Wb / s)
-    _write(norm.weight, s / mla.kv_scale)  # the model multiplies by kv_scale again (LongCat)
+    _write(norm.weight, torch.where(live, s, 0.0) / mla.kv_scale)  # the model multiplies by kv_scale again (LongCat)
 
 
 def fuse_rope(mla: MLA, theta: torch.Tensor | None = None, s: torch.Tensor | None = None) -> None:
@@ -327,6 +360,7 @@ def quantized_content(
     z = u @ R if R is not None else u
     if s is not None:
         z = z * s
+    z = z * (g != 0)  # dead channels are cached as zero (their fused norm weight stays zero)
     zq = qdq(z, bits, group, ste=ste)
     if s is not None:
         zq = zq / s

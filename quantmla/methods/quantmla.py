@@ -55,6 +55,8 @@ from quantmla.transforms import (
     cayley,
     from_state,
     fuse,
+    live_channels,
+    live_pairs_mask,
     pair_matrix,
     rope_key_maps,
     rope_pairs,
@@ -135,10 +137,13 @@ class ContentPath:
 
     label = "C"
 
-    def __init__(self, cfg: QuantMLAConfig, log_s0: list[torch.Tensor], bits: int, group: int, device):
+    def __init__(self, cfg: QuantMLAConfig, log_s0: list[torch.Tensor], bits: int, group: int, device, live=None):
         self.cfg, self.bits, self.group = cfg, bits, group
         d_c = log_s0[0].numel()
         self.P = [torch.zeros(d_c, d_c, device=device, requires_grad=True) for _ in log_s0]
+        # the rotation acts on live latent channels only (identity on channels whose Γ is zero)
+        live = live or [torch.ones(d_c, dtype=torch.bool)] * len(log_s0)
+        self.mask = [live_pairs_mask(v).to(device) for v in live]
         self.rho = [ls.detach().float().to(device).clone().requires_grad_() for ls in log_s0]
         self.rho0 = [ls.detach().float().to(device).clone() for ls in log_s0]
         self.needs_outputs = cfg.content_objective == "output"
@@ -152,12 +157,12 @@ class ContentPath:
 
     def loss(self, lb: LayerBatch, ste: bool) -> torch.Tensor:
         i = lb.index
-        R = cayley(self.P[i])
+        R = cayley(self.P[i] * self.mask[i])
         return content_loss(lb, self.bits, R, self.scale(i), True, self.cfg.content_objective, self.group, ste)
 
     def anchor(self) -> torch.Tensor:
         iu = torch.triu_indices(*self.P[0].shape, offset=1, device=self.P[0].device)
-        skew = torch.stack([(P - P.T)[iu[0], iu[1]].pow(2).mean() for P in self.P]).mean()
+        skew = torch.stack([((P - P.T) * m)[iu[0], iu[1]].pow(2).mean() for P, m in zip(self.P, self.mask)]).mean()
         scale = torch.stack([(r - r0).pow(2).mean() for r, r0 in zip(self.rho, self.rho0)]).mean()
         return self.cfg.anchor * (skew + scale)
 
@@ -173,7 +178,10 @@ class ContentPath:
         """The selected R_C and s_C; R_C is solved once more in float64 so the fused rotation is orthogonal
         to round-off (training solves in float32, spec §9 item 6)."""
         with torch.no_grad():
-            return [{"R_C": cayley(self.P[i].double()).float(), "s_C": self.scale(i)} for i in range(len(self.P))]
+            return [
+                {"R_C": cayley((self.P[i] * self.mask[i]).double()).float(), "s_C": self.scale(i)}
+                for i in range(len(self.P))
+            ]
 
 
 class RopePath:
@@ -327,6 +335,7 @@ class QuantMLA(Method):
                 self.info[f"cached_{p}"] = 1
                 log.info("QuantMLA %s path: reusing %s", p, folders[p][0])
         need = [p for p in todo if p not in results]
+        self._live = [live_channels(a) for a in adapters]
         if need:
             device = adapters[0].kv_a_proj_with_mqa.weight.device
             budget = cfg.teacher_cache_gb * 2**30
@@ -335,7 +344,7 @@ class QuantMLA(Method):
             log_s0 = self._alpha_init(held, a_C, a_P, need, todo, spec, ctx.progress)
             for p in need:
                 if p == "C":
-                    path = ContentPath(cfg, log_s0["C"], todo["C"], spec.group, device)
+                    path = ContentPath(cfg, log_s0["C"], todo["C"], spec.group, device, self._live)
                 else:
                     pairs = [rope_pairs(a)[1] for a in adapters]
                     path = RopePath(cfg, log_s0["P"], pairs, todo["P"], spec.group, device)
@@ -372,7 +381,10 @@ class QuantMLA(Method):
         """Spec §5.5: per path, the α of the grid with the lowest held-out path objective (R = I, θ = 0)."""
         cfg = self.config
         logs = {
-            "C": {al: [alpha_log_scales(a, al, cfg.log_scale_clip) for a in a_C] for al in cfg.alphas},
+            "C": {
+                al: [alpha_log_scales(a, al, cfg.log_scale_clip, v) for a, v in zip(a_C, self._live)]
+                for al in cfg.alphas
+            },
             "P": {al: [alpha_log_scales(a, al, cfg.log_scale_clip) for a in a_P] for al in cfg.alphas},
         }
 
