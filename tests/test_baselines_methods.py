@@ -142,7 +142,7 @@ def test_smoothquant_records_its_alpha_choice():
 # ----- bad input, each a clear one-line error before calibration -------------------------------
 def _plan_error(*overrides) -> str:
     with pytest.raises(ConfigError) as e:
-        validate_argv(["logger=none", *overrides])
+        validate_argv(["model=tiny", "logger=none", *overrides])
     msg = str(e.value)
     assert "\n" not in msg
     return msg
@@ -175,7 +175,9 @@ def test_undeterminable_rope_pairing_stops_before_calibration(tmp_path):
 def test_calibration_data_errors(tmp_path):
     msg = _plan_error("method=smoothquant", f"calibration.source={tmp_path / 'absent.txt'}")
     assert msg.startswith("no calibration data available")
-    validate_argv(["logger=none", "method=rtn", f"calibration.source={tmp_path / 'absent.txt'}"])  # RTN reads none
+    validate_argv(
+        ["model=tiny", "logger=none", "method=rtn", f"calibration.source={tmp_path / 'absent.txt'}"]
+    )  # RTN reads none
     (tmp_path / "empty.txt").write_text("   \n")
     with pytest.raises(DataUnavailable, match="no calibration data available"):
         CalibrationData(source=str(tmp_path / "empty.txt")).check()

@@ -18,6 +18,7 @@ def test_multirun_of_the_baselines_records_six_runs_and_prints_the_table(tmp_pat
         "-m",
         "quantmla.run",
         "-m",
+        "model=tiny",
         "method=rtn,smoothquant,quarot",
         "bits=c4r4,c2r4",
         "logger=none",

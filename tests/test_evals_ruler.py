@@ -89,7 +89,9 @@ def test_ruler_runs_on_tiny_through_the_decode_path():
 
 def test_length_beyond_the_model_context_stops_before_loading():
     with initialize_config_dir(str(qrun.conf_dir()), version_base="1.3"):
-        cfg = compose("run", overrides=["eval=ruler", "logger=none"])  # default lengths up to 32K; tiny has 4K
+        cfg = compose(
+            "run", overrides=["model=tiny", "eval=ruler", "logger=none"]
+        )  # default lengths up to 32K; tiny has 4K
     with pytest.raises(qrun.ConfigError, match=r"RULER length 32768 exceeds the model's context \(4096 tokens"):
         qrun.plan(cfg)
 

@@ -39,7 +39,7 @@ PACKAGED = {
 
 def _compose(*overrides):
     with initialize_config_dir(str(qrun.conf_dir()), version_base="1.3"):
-        return compose("run", overrides=list(overrides))
+        return compose("run", overrides=["model=tiny", *overrides])
 
 
 def _eval_docs_split(task):
@@ -126,7 +126,7 @@ def test_hub_data_offline_is_reported_unavailable_by_name():
 
 def test_unknown_task_stops_before_any_model_with_lm_eval_pointer():
     with pytest.raises(qrun.ConfigError) as e:
-        qrun.validate_argv(["eval=lm_eval", "eval.tasks=[hellaswagg]", "logger=none"])
+        qrun.validate_argv(["model=tiny", "eval=lm_eval", "eval.tasks=[hellaswagg]", "logger=none"])
     msg = str(e.value)
     assert "unknown lm-eval task 'hellaswagg'" in msg and "hellaswag" in msg.split("close matches:")[1]
     assert "lm-eval ls tasks" in msg and "\n" not in msg

@@ -112,7 +112,7 @@ def test_ablation_switches_choose_the_paths(tmp_path):
 
 def _plan_error(*overrides) -> str:
     with pytest.raises(ConfigError) as e:
-        validate_argv(["logger=none", "method=quantmla", *overrides])
+        validate_argv(["model=tiny", "logger=none", "method=quantmla", *overrides])
     assert "\n" not in str(e.value)
     return str(e.value)
 
@@ -148,6 +148,7 @@ def test_reduced_budget_calibration_through_the_harness(tmp_path):
         "method=quantmla",
         "logger=none",
         f"runs_dir={tmp_path}",
+        "model=tiny",
         "sweep=quantmla",
         "calibration=quick",
         "method.steps=4",

@@ -19,7 +19,7 @@ OFFLINE_ONLY = "not available offline"
 
 def _compose(*overrides):
     with initialize_config_dir(str(conf_dir()), version_base="1.3"):
-        return compose("run", overrides=list(overrides))
+        return compose("run", overrides=[*_tiny(overrides), *overrides])
 
 
 def _all_options():
@@ -59,10 +59,15 @@ def test_every_config_composes_and_validates(group, option, tmp_path, tiny_folde
         assert group in expected and expected[group] in str(e), str(e)
 
 
+def _tiny(args) -> list[str]:
+    """The unit-test model unless the command line names one."""
+    return [] if any(a.startswith("model=") for a in args) else ["model=tiny"]
+
+
 def _cli(*args, cwd=None, timeout=300):
     env = os.environ | {"WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "quantmla.run", *args],
+        [sys.executable, "-m", "quantmla.run", *_tiny(args), *args],
         capture_output=True,
         text=True,
         cwd=cwd,
@@ -205,9 +210,13 @@ def test_sigterm_marks_the_run_interrupted(tmp_path):
     import time
 
     env = os.environ | {"WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
-    args = ["eval.seq_len=512", "eval.max_tokens=1000000", f"runs_dir={tmp_path}", "logger=none"]
+    args = ["model=tiny", "eval.seq_len=512", "eval.max_tokens=1000000", f"runs_dir={tmp_path}", "logger=none"]
     p = subprocess.Popen(
-        [sys.executable, "-m", "quantmla.run", *args], cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-m", "quantmla.run", *_tiny(args), *args],
+        cwd=tmp_path,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     deadline = time.time() + 120
     while time.time() < deadline and not list(tmp_path.rglob("status")):

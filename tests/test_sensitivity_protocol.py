@@ -241,7 +241,7 @@ def test_model_without_mla_is_refused():
 
 def test_cli_refuses_bad_target_before_loading(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "quantmla.run", "eval=sensitivity", "eval.target_nmse=0", "logger=none"]
+        [sys.executable, "-m", "quantmla.run", "model=tiny", "eval=sensitivity", "eval.target_nmse=0", "logger=none"]
         + [f"runs_dir={tmp_path}"],
         capture_output=True,
         text=True,

@@ -90,6 +90,7 @@ def test_sweep_runs_as_slurm_jobs(slurm, tmp_path):
             "quantmla.run",
             "-m",
             "hydra/launcher=slurm",
+            "model=tiny",
             "hydra.launcher.cpus_per_task=1",
             "hydra.launcher.timeout_min=10",
             "bits=c4r4,c2r4",
