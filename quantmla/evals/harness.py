@@ -140,13 +140,13 @@ class LMEval(Eval):
     def run(self, model, tokenizer, ctx: EvalContext) -> dict:
         from lm_eval import simple_evaluate
 
-        from quantmla.evals.lm import QuantMLALM
+        from quantmla.evals.lm import language_model
 
         if self.apply_chat_template and not getattr(tokenizer, "chat_template", None):
             raise ValueError(
                 f"eval.apply_chat_template is set but {ctx.model_name or 'the'} tokenizer has no chat template"
             )
-        lm = QuantMLALM(
+        lm = language_model(
             model,
             tokenizer,
             batch_size=self.batch_size,

@@ -47,3 +47,12 @@ class QuantMLALM(HFLM):
     def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs):
         cache = attention.new_cache(self.model, batch_size=context.shape[0], max_length=max_length)
         return super()._model_generate(context, max_length, stop, past_key_values=cache, **generation_kwargs)
+
+
+def language_model(model, tokenizer, batch_size: int = 1, max_length: int | None = None, **kwargs) -> HFLM:
+    """The lm-eval model for ``model``: :class:`QuantMLALM` when its MLA layers run through the
+    harness attention; lm-eval's own ``HFLM`` for a native model (the reference a model-card
+    comparison needs, e.g. the checkpoint an MLA conversion started from)."""
+    if attention.latent_layers(model):
+        return QuantMLALM(model, tokenizer, batch_size=batch_size, max_length=max_length, **kwargs)
+    return HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length, **kwargs)

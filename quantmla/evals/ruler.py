@@ -309,13 +309,13 @@ class Ruler(Eval):
         from lm_eval.tasks import TaskManager
 
         from quantmla.evals.harness import numbers_only
-        from quantmla.evals.lm import QuantMLALM
+        from quantmla.evals.lm import language_model
 
         if ctx.max_positions and max(self.lengths) > ctx.max_positions:
             raise ValueError(
                 f"RULER length {max(self.lengths)} exceeds the model's context ({ctx.max_positions} tokens)"
             )
-        lm = QuantMLALM(model, tokenizer, batch_size=self.batch_size, max_length=max(self.lengths))
+        lm = language_model(model, tokenizer, batch_size=self.batch_size, max_length=max(self.lengths))
         out = {"results": {}, "n_samples": {}}
         for name in self.tasks:
             task = ConfigurableTask(config=self.task_config(name, tokenizer))

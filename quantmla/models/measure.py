@@ -261,6 +261,41 @@ def perplexity(args) -> dict:
     return out
 
 
+def suite(args) -> dict:
+    """The project's own evaluations on SmolLM2 (native, lm-eval's HFLM) and on the MLA model (the
+    harness attention, BF16 cache): HellaSwag, PIQA and ARC-Easy 0-shot from the offline mirrors
+    (``eval=lm_eval``), and RULER ``niah_single_1`` (``eval=ruler``), with the same settings."""
+    from quantmla import attention
+    from quantmla.cache import CacheSpec
+    from quantmla.evals import EvalContext
+    from quantmla.evals.harness import LMEval
+    from quantmla.evals.ruler import Ruler
+    from quantmla.models import smollm2_mla as S
+    from quantmla.models.embedded import EmbeddedModel
+
+    tasks = LMEval(tasks=list(MC_TASKS), num_fewshot=0, limit=args.limit, batch_size=args.batch_size)
+    ruler = Ruler(tasks=["niah_single_1"], lengths=[args.ruler_length], samples=args.ruler_samples)
+    out = {"lm_eval": tasks.to_dict(), "ruler": ruler.to_dict()}
+
+    def measure(name, model, tok):
+        ctx = EvalContext(model_name=name, max_positions=model.config.max_position_embeddings, progress=True)
+        got = {"lm_eval": tasks.run(model, tok, ctx)}
+        if args.ruler_samples:
+            got["ruler"] = ruler.run(model, tok, ctx)
+        out[name] = got
+        print(name, json.dumps(got["lm_eval"]["results"]), json.dumps(got.get("ruler", {}).get("mean")), flush=True)
+
+    src, tok = S.load_source()
+    measure("smollm2", src, tok)
+    del src
+    mla, tok = EmbeddedModel(dtype="float32").load("cpu")
+    attention.install(mla, CacheSpec())
+    measure("mla", mla, tok)
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1, default=str))
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m quantmla.models.measure", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -288,8 +323,16 @@ def main(argv=None):
     q.add_argument("--seq-len", type=int, default=512)
     q.add_argument("--max-tokens", type=int, default=16384)
     q.add_argument("--out", default=None)
+    u = sub.add_parser("suite", help="the project's eval=lm_eval and eval=ruler on both models (CPU)")
+    u.add_argument("--limit", type=int, default=500, help="items per multiple-choice task")
+    u.add_argument("--batch-size", type=int, default=8)
+    u.add_argument("--ruler-samples", type=int, default=20)
+    u.add_argument("--ruler-length", type=int, default=4096)
+    u.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    if args.cmd == "ppl":
+    if args.cmd == "suite":
+        suite(args)
+    elif args.cmd == "ppl":
         perplexity(args)
     elif args.cmd == "requests":
         requests(Path(args.out), args.tokenizer, args.limit, args.ruler_samples, args.ruler_length)
