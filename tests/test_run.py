@@ -67,7 +67,7 @@ def _tiny(args) -> list[str]:
 def _cli(*args, cwd=None, timeout=300):
     env = os.environ | {"WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "quantmla.run", *_tiny(args), *args],
+        [sys.executable, "-m", "quantmla.run", *args, *_tiny(args)],
         capture_output=True,
         text=True,
         cwd=cwd,
@@ -212,7 +212,7 @@ def test_sigterm_marks_the_run_interrupted(tmp_path):
     env = os.environ | {"WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
     args = ["model=tiny", "eval.seq_len=512", "eval.max_tokens=1000000", f"runs_dir={tmp_path}", "logger=none"]
     p = subprocess.Popen(
-        [sys.executable, "-m", "quantmla.run", *_tiny(args), *args],
+        [sys.executable, "-m", "quantmla.run", *args, *_tiny(args)],
         cwd=tmp_path,
         env=env,
         stderr=subprocess.PIPE,
