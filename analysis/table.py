@@ -7,22 +7,11 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from quantmla.tracking import read_runs
+from quantmla.tracking import numeric_metrics, read_runs
 
 METHOD_ORDER = ("rtn", "smoothquant", "quarot", "quantmla")
 KEYS = ("model", "method", "bits", "protect")
 SKIP = {"tokens", "windows"}
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flat(v, key + "/"))
-        elif isinstance(v, (int, float)) and not isinstance(v, bool):
-            out[key] = v
-    return out
 
 
 def _nested(d: dict, prefix: str = "") -> dict:
@@ -68,7 +57,7 @@ def frame(root: str | Path) -> pd.DataFrame:
             "protect": bool(c.get("protect", {}).get("enabled", False)) and quantized,
         }
         ename = c.get("eval", {}).get("name", "eval")
-        for k, v in _flat(r["metrics"]).items():
+        for k, v in numeric_metrics(r["metrics"]).items():
             if k in SKIP:
                 continue
             row[k if len(evals) == 1 else f"{ename}/{k}"] = v

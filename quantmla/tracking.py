@@ -215,7 +215,7 @@ class WandbLogger:
 
     def log(self, metrics: dict) -> None:
         if self.run is not None:
-            flat = {k: v for k, v in _flatten(metrics).items() if isinstance(v, (int, float))}
+            flat = numeric_metrics(metrics)
             self.run.log(flat)
             self.run.summary.update(flat)
 
@@ -223,6 +223,11 @@ class WandbLogger:
         if self.run is not None:
             self.run.finish(exit_code=0 if ok else 1)
             self.run = None
+
+
+def numeric_metrics(d: dict) -> dict:
+    """``{"a/b": number}`` for every int or float (not bool) in nested metrics."""
+    return {k: v for k, v in _flatten(d).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
