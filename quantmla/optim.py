@@ -14,6 +14,7 @@ key resumes from it. The learning rate is a pure function of the step, so nothin
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Callable
@@ -25,6 +26,8 @@ import torch
 from tqdm.auto import tqdm
 
 from quantmla.calibration import LayerBatch, Teacher, heldout_mean
+
+log = logging.getLogger(__name__)
 
 
 class TrainablePath(Protocol):
@@ -141,6 +144,12 @@ def train_path(
             if state["step"] % schedule.val_every == 0 or state["step"] == schedule.steps:
                 last_val = validate(state["step"])
                 save()
+                if not progress:  # no bar (a log file, a SLURM job): one line per validation
+                    log.info(
+                        "%s step %d/%d: train %.4g, held-out %.4g (best %.4g at step %d)",
+                        desc, state["step"], schedule.steps, total, last_val,
+                        state["best"]["loss"], state["best"]["step"],
+                    )  # fmt: skip
             bar.set_postfix(loss=f"{total:.4g}", val=f"{last_val:.4g}", best=f"{state['best']['loss']:.4g}")
             if on_step is not None:
                 on_step(state["step"])

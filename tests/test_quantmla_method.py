@@ -131,3 +131,15 @@ def test_output_objective_beats_cache_mse_training(trained, bits):
     _, out = trained
     assert out[bits, "quantmla"]["L_C"] <= 0.95 * out[bits, "cache_mse"]["L_C"]
     assert math.isclose(out[bits, "cache_mse"]["L_P"], out[bits, "rtn"]["L_P"])  # RoPE path off there
+
+
+def test_training_without_a_bar_logs_each_validation(tmp_path, caplog):
+    """Without a progress bar (a log file, a SLURM job) each path logs a line per validation."""
+    model, tok, _ = installed("tiny")
+    m = methods.get(QuantMLAConfig(steps=4, val_every=2))
+    with caplog.at_level("INFO", logger="quantmla.optim"):
+        m.calibrate(model, mla.adapters(model), _ctx(tok, "c4r4", tmp_path))
+    lines = [r.getMessage() for r in caplog.records if r.name == "quantmla.optim"]
+    for path in ("content", "RoPE"):
+        steps = [ln for ln in lines if ln.startswith(f"QuantMLA {path} path step")]
+        assert [s.split()[4].rstrip(":") for s in steps] == ["2/4", "4/4"], lines
