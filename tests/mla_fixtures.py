@@ -124,6 +124,19 @@ def small_calibration(**kw) -> CalibrationData:
     return CalibrationData(**({"seq_len": 128, "train": 8, "heldout": 4, "batch_size": 4} | kw))
 
 
+def method_context(tok, cache_dir, bits: str = "c4r4", calibration: CalibrationData | None = None):
+    """A method's context on a small calibration bank, without progress bars."""
+    from quantmla.methods import MethodContext
+
+    return MethodContext(
+        spec=CacheSpec.parse(bits),
+        tokenizer=tok,
+        calibration=calibration or small_calibration(seq_len=64, train=4, heldout=4),
+        cache_dir=cache_dir,
+        progress=False,
+    )
+
+
 def set_spec(layers, spec: CacheSpec) -> None:
     for layer in layers:
         layer.spec = spec

@@ -8,13 +8,11 @@ import json
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from mla_fixtures import installed, small_calibration
+from mla_fixtures import installed, method_context
 from safetensors import safe_open
 
 from quantmla import methods, mla
-from quantmla.cache import CacheSpec
 from quantmla.data import CalibrationData, DataUnavailable
-from quantmla.methods import MethodContext
 from quantmla.methods.quantmla import QuantMLAConfig
 from quantmla.optim import Schedule, batch_indices
 from quantmla.run import ConfigError, _config_sweep, conf_dir, run, validate_argv
@@ -44,20 +42,10 @@ def test_schedule_and_data_order():
     assert sorted(torch.cat([batch_indices(k, 3, 10, 0) for k in range(10)]).tolist()) == sorted(list(range(10)) * 3)
 
 
-def _ctx(tok, cache_dir, bits="c4r4", calibration=None):
-    return MethodContext(
-        spec=CacheSpec.parse(bits),
-        tokenizer=tok,
-        calibration=calibration or small_calibration(seq_len=64, train=4, heldout=4),
-        cache_dir=cache_dir,
-        progress=False,
-    )
-
-
 def test_cache_reuse_and_resume_after_ctrl_c(tmp_path):
     model, tok, _ = installed("tiny")
     cfg = QuantMLAConfig(steps=6, val_every=2)
-    ref = methods.get(cfg).calibrate(model, mla.adapters(model), _ctx(tok, tmp_path / "a"))
+    ref = methods.get(cfg).calibrate(model, mla.adapters(model), method_context(tok, tmp_path / "a"))
 
     m = methods.get(cfg)
 
@@ -67,14 +55,14 @@ def test_cache_reuse_and_resume_after_ctrl_c(tmp_path):
 
     m.on_step = interrupt
     with pytest.raises(KeyboardInterrupt):
-        m.calibrate(model, mla.adapters(model), _ctx(tok, tmp_path / "b"))
+        m.calibrate(model, mla.adapters(model), method_context(tok, tmp_path / "b"))
     ckpt = list((tmp_path / "b").rglob("checkpoint.pt"))
     assert len(ckpt) == 1 and torch.load(ckpt[0], weights_only=False)["step"] == 3
 
     m = methods.get(cfg)
     seen = []
     m.on_step = seen.append
-    state = m.calibrate(model, mla.adapters(model), _ctx(tok, tmp_path / "b"))
+    state = m.calibrate(model, mla.adapters(model), method_context(tok, tmp_path / "b"))
     assert seen == [4, 5, 6] + [1, 2, 3, 4, 5, 6]  # content resumed after step 3, then the RoPE path
     assert state.keys() == ref.keys()
     for k in ref:
@@ -90,22 +78,22 @@ def test_cache_reuse_and_resume_after_ctrl_c(tmp_path):
 
     m = methods.get(cfg)
     m.on_step = lambda step: pytest.fail("a cached calibration must not train")
-    again = m.calibrate(model, mla.adapters(model), _ctx(tok, tmp_path / "b"))
+    again = m.calibrate(model, mla.adapters(model), method_context(tok, tmp_path / "b"))
     assert (m.info["cached_C"], m.info["cached_P"]) == (1, 1)
     assert all(torch.equal(again[k], state[k]) for k in state)
 
     m = methods.get(cfg)
-    m.calibrate(model, mla.adapters(model), _ctx(tok, tmp_path / "b", bits="c2r4"))
+    m.calibrate(model, mla.adapters(model), method_context(tok, tmp_path / "b", bits="c2r4"))
     assert (m.info["cached_C"], m.info["cached_P"]) == (0, 1)  # C2 needs its own content path; RoPE is shared
 
 
 def test_ablation_switches_choose_the_paths(tmp_path):
     model, tok, _ = installed("tiny")
     m = methods.get(QuantMLAConfig(steps=2, val_every=1, paths={"rope": False}))
-    state = m.calibrate(model, mla.adapters(model), _ctx(tok, tmp_path))
+    state = m.calibrate(model, mla.adapters(model), method_context(tok, tmp_path))
     assert {k.split(".")[1] for k in state} == {"R_C", "s_C"}
     m = methods.get(QuantMLAConfig(steps=2, val_every=1, paths={"content": False}))
-    state = m.calibrate(model, mla.adapters(model), _ctx(tok, tmp_path))
+    state = m.calibrate(model, mla.adapters(model), method_context(tok, tmp_path))
     assert {k.split(".")[1] for k in state} == {"theta_P", "s_P"}
     assert m.info["cached_P"] == 0 and "cached_C" not in m.info
 
@@ -138,7 +126,7 @@ def test_missing_or_short_data_stops_before_any_optimisation(tmp_path):
         m = methods.get(QuantMLAConfig(steps=2))
         m.on_step = lambda step: pytest.fail("optimised despite bad data")
         with pytest.raises(err, match=msg):
-            m.calibrate(model, mla.adapters(model), _ctx(tok, tmp_path / "cache", calibration=cal))
+            m.calibrate(model, mla.adapters(model), method_context(tok, tmp_path / "cache", calibration=cal))
         assert not (tmp_path / "cache").exists()
 
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from mla_fixtures import installed, planted_outliers, set_spec, small_calibration
+from mla_fixtures import installed, method_context, planted_outliers, set_spec, small_calibration
 
 from baselines.quarot import QuaRotConfig
 from baselines.rtn import RTNConfig
@@ -16,21 +16,10 @@ from quantmla import methods, mla
 from quantmla.attention import capture_inputs
 from quantmla.cache import CacheSpec
 from quantmla.calibration import transform_objectives
-from quantmla.methods import MethodContext
 from quantmla.methods.quantmla import QuantMLAConfig
 from quantmla.transforms import from_state, pair_matrix
 
 FAR = dict(lr_rotation=0.3, lr_content_scale=0.3, lr_angle=0.5, lr_rope_scale=0.3, select="last")
-
-
-def _ctx(tok, bits, cache_dir, calibration=None):
-    return MethodContext(
-        spec=CacheSpec.parse(bits),
-        tokenizer=tok,
-        calibration=calibration or small_calibration(seq_len=64, train=4, heldout=4),
-        cache_dir=cache_dir,
-        progress=False,
-    )
 
 
 @pytest.mark.parametrize("family", ["tiny", "v3", "glm", "longcat"])
@@ -42,7 +31,7 @@ def test_fused_logits_equal_the_original_after_calibration(family, tmp_path):
     with torch.no_grad():
         ref = model(ids, use_cache=False).logits
     m = methods.get(QuantMLAConfig(steps=6, val_every=3, **FAR))
-    state = m.apply(model, mla.adapters(model), _ctx(tok, "c4r4", tmp_path))
+    state = m.apply(model, mla.adapters(model), method_context(tok, tmp_path))
     t = from_state(state, len(layers))[0]
     assert (t.R_C - torch.eye(t.R_C.shape[0])).norm() > 1.0  # far from identity
     assert t.theta_P.abs().max() > 0.3 and t.s_P.log().std() > 0.1
@@ -75,7 +64,7 @@ def trained(tmp_path_factory):
         for name, cfg in configs.items():
             m = methods.get(cfg)
             # calibrate leaves the model as it is: every method starts from the same original
-            state = m.calibrate(base, mla.adapters(base), _ctx(tok, bits, cache, cal))
+            state = m.calibrate(base, mla.adapters(base), method_context(tok, cache, bits, cal))
             transforms = from_state(state, 2)
             out[bits, name] = transform_objectives(base, held, 4, transforms, spec) | {"info": m.info, "t": transforms}
     return base, out
@@ -138,7 +127,7 @@ def test_training_without_a_bar_logs_each_validation(tmp_path, caplog):
     model, tok, _ = installed("tiny")
     m = methods.get(QuantMLAConfig(steps=4, val_every=2))
     with caplog.at_level("INFO", logger="quantmla.optim"):
-        m.calibrate(model, mla.adapters(model), _ctx(tok, "c4r4", tmp_path))
+        m.calibrate(model, mla.adapters(model), method_context(tok, tmp_path))
     lines = [r.getMessage() for r in caplog.records if r.name == "quantmla.optim"]
     for path in ("content", "RoPE"):
         steps = [ln for ln in lines if ln.startswith(f"QuantMLA {path} path step")]
