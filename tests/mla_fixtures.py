@@ -9,6 +9,7 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from quantmla import attention
 from quantmla.cache import CacheSpec
 from quantmla.data import CalibrationData
+from quantmla.methods import MethodContext
 from quantmla.models.tiny import build, byte_tokenizer, tiny_config
 
 VOCAB = 259
@@ -126,8 +127,6 @@ def small_calibration(**kw) -> CalibrationData:
 
 def method_context(tok, cache_dir, bits: str = "c4r4", calibration: CalibrationData | None = None):
     """A method's context on a small calibration bank, without progress bars."""
-    from quantmla.methods import MethodContext
-
     return MethodContext(
         spec=CacheSpec.parse(bits),
         tokenizer=tok,
