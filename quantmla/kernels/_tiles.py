@@ -98,6 +98,184 @@ def unpack_codes(b, W: tl.constexpr):
         return tl.interleave(even, odd)
 
 
+# Two elements per instruction: a code c <= 15 ORed into the bf16 pattern 0x4300 (128.0) reads
+# as 128 + c exactly; subtracting 128 + z (exact, small integers) leaves q - z, and one bf16x2
+# multiply by the BF16 scale rounds the exact product once, to nearest even: bit for bit the
+# reference's round_bf16(float32(s) * (q - z)). Four packed bytes per call; ``nz`` = -(128 + z).
+_DEQ4_ASM = tl.constexpr("""{
+.reg .b32 t<2>, u<2>, a<4>, one, nzero;
+mov.b32 one, 0x3f803f80;
+mov.b32 nzero, 0x80008000;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+shr.u32 u0, t0, 4;
+shr.u32 u1, t1, 4;
+lop3.b32 a0, t0, 0x000f000f, 0x43004300, 0xea;
+lop3.b32 a1, t1, 0x000f000f, 0x43004300, 0xea;
+lop3.b32 a2, u0, 0x000f000f, 0x43004300, 0xea;
+lop3.b32 a3, u1, 0x000f000f, 0x43004300, 0xea;
+fma.rn.bf16x2 a0, a0, one, $7;
+fma.rn.bf16x2 a1, a1, one, $8;
+fma.rn.bf16x2 a2, a2, one, $7;
+fma.rn.bf16x2 a3, a3, one, $8;
+fma.rn.bf16x2 $0, a0, $5, nzero;
+fma.rn.bf16x2 $1, a1, $6, nzero;
+fma.rn.bf16x2 $2, a2, $5, nzero;
+fma.rn.bf16x2 $3, a3, $6, nzero;
+}""")
+
+_DEQ2_ASM = tl.constexpr("""{
+.reg .b32 t<2>, u<6>, a<8>, one, nzero;
+mov.b32 one, 0x3f803f80;
+mov.b32 nzero, 0x80008000;
+prmt.b32 t0, $8, 0, 0x4140;
+prmt.b32 t1, $8, 0, 0x4342;
+shr.u32 u0, t0, 2;
+shr.u32 u1, t1, 2;
+shr.u32 u2, t0, 4;
+shr.u32 u3, t1, 4;
+shr.u32 u4, t0, 6;
+shr.u32 u5, t1, 6;
+lop3.b32 a0, t0, 0x00030003, 0x43004300, 0xea;
+lop3.b32 a1, t1, 0x00030003, 0x43004300, 0xea;
+lop3.b32 a2, u0, 0x00030003, 0x43004300, 0xea;
+lop3.b32 a3, u1, 0x00030003, 0x43004300, 0xea;
+lop3.b32 a4, u2, 0x00030003, 0x43004300, 0xea;
+lop3.b32 a5, u3, 0x00030003, 0x43004300, 0xea;
+lop3.b32 a6, u4, 0x00030003, 0x43004300, 0xea;
+lop3.b32 a7, u5, 0x00030003, 0x43004300, 0xea;
+fma.rn.bf16x2 a0, a0, one, $11;
+fma.rn.bf16x2 a1, a1, one, $12;
+fma.rn.bf16x2 a2, a2, one, $11;
+fma.rn.bf16x2 a3, a3, one, $12;
+fma.rn.bf16x2 a4, a4, one, $11;
+fma.rn.bf16x2 a5, a5, one, $12;
+fma.rn.bf16x2 a6, a6, one, $11;
+fma.rn.bf16x2 a7, a7, one, $12;
+fma.rn.bf16x2 $0, a0, $9, nzero;
+fma.rn.bf16x2 $1, a1, $10, nzero;
+fma.rn.bf16x2 $2, a2, $9, nzero;
+fma.rn.bf16x2 $3, a3, $10, nzero;
+fma.rn.bf16x2 $4, a4, $9, nzero;
+fma.rn.bf16x2 $5, a5, $10, nzero;
+fma.rn.bf16x2 $6, a6, $9, nzero;
+fma.rn.bf16x2 $7, a7, $10, nzero;
+}""")
+
+
+@triton.jit
+def _dq_plane(b, s, z, shift: tl.constexpr, mask: tl.constexpr):
+    """Portable form of one plane of the packed dequantization (the interpreter runs this)."""
+    q = ((b >> shift) & mask).to(tl.float32)
+    return bf16_rtne((q - z.to(tl.float32)) * s.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def dequant_bf16(b, s, z, W: tl.constexpr, INTERP: tl.constexpr):
+    """Packed bytes ``b`` (uint8) with per-element BF16 scales ``s`` and uint8 zero-points ``z``
+    (broadcast to ``b``'s shape) → BF16 rows in natural channel order along a new last axis:
+    ``(..., K)`` bytes give ``(..., K * 8 / W)`` elements."""
+    if INTERP:
+        if W == 4:
+            return tl.interleave(_dq_plane(b, s, z, 0, 15), _dq_plane(b, s, z, 4, 15))
+        else:
+            even = tl.interleave(_dq_plane(b, s, z, 0, 3), _dq_plane(b, s, z, 4, 3))
+            odd = tl.interleave(_dq_plane(b, s, z, 2, 3), _dq_plane(b, s, z, 6, 3))
+            return tl.interleave(even, odd)
+    else:
+        nz = (-(z.to(tl.float32) + 128.0)).to(tl.bfloat16)
+        if W == 4:
+            lo, hi = tl.inline_asm_elementwise(
+                _DEQ4_ASM, "=r,=r,=r,=r,r,r,r,r,r", [b, s, nz], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4
+            )
+            return tl.interleave(lo, hi)
+        else:
+            p0, p1, p2, p3 = tl.inline_asm_elementwise(
+                _DEQ2_ASM,
+                "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r",
+                [b, s, nz],
+                dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
+                is_pure=True,
+                pack=4,
+            )
+            return tl.interleave(tl.interleave(p0, p2), tl.interleave(p1, p3))
+
+
+@triton.jit
+def load_meta(scale_ptr, zero_ptr, ps_scale, ps_zero, page, slots, valid, D: tl.constexpr, DP: tl.constexpr,
+              BITS: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """Scales and zero-points (BLOCK_N, DP/G) of one quantized path for tokens at ``slots`` of ``page``.
+    Scales are 0 for tokens that are not ``valid`` (their rows then reconstruct to exact zeros
+    whatever their codes); a 16-bit path has no metadata (two dummy (BLOCK_N, 1) tiles)."""
+    if BITS == 16:
+        return tl.zeros([BLOCK_N, 1], tl.float32), tl.zeros([BLOCK_N, 1], tl.uint8)
+    else:
+        NG: tl.constexpr = D // G
+        NGP: tl.constexpr = DP // G
+        g = tl.arange(0, NGP)
+        off = slots[:, None] * NG + g[None, :]
+        s = tl.load((scale_ptr + page * ps_scale) + off, mask=valid[:, None] & (g[None, :] < NG), other=0.0)
+        z = tl.load((zero_ptr + page * ps_zero) + off, mask=g[None, :] < NG, other=0)
+        return s, z
+
+
+@triton.jit
+def load_rows(
+    rows_ptr,
+    codes_ptr,
+    ps_rows,
+    ps_codes,
+    page,
+    slots,
+    valid,
+    s,
+    z,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    BITS: tl.constexpr,
+    W: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    OUT: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """(BLOCK_N, DP) rows of one path for tokens at ``slots`` (BLOCK_N,) int32 of physical ``page``
+    (a scalar, int64), given the tile's metadata from :func:`load_meta`; 0 where not ``valid``
+    and in the padding columns D..DP (DP is D rounded up to a power of two, the width Triton
+    tiles need). The page base is one 64-bit scalar; the per-element offsets inside a page
+    stay 32-bit. BF16 scales with 2- or 4-bit containers into a BF16 cache take the packed
+    two-per-instruction dequantization (:func:`dequant_bf16`)."""
+    cols = tl.arange(0, DP)
+    if BITS == 16:
+        ptr = (rows_ptr + page * ps_rows) + (slots[:, None] * D + cols[None, :])
+        return tl.load(ptr, mask=valid[:, None] & (cols[None, :] < D), other=0.0).to(OUT)
+    else:
+        PB: tl.constexpr = D * W // 8
+        NG: tl.constexpr = D // G
+        NGP: tl.constexpr = DP // G
+        if (W == 2 or W == 4) and OUT == tl.bfloat16 and s.dtype == tl.bfloat16:
+            KG: tl.constexpr = G * W // 8  # bytes per group
+            g = tl.arange(0, NGP)
+            kb = tl.arange(0, KG)
+            off = slots[:, None, None] * PB + g[None, :, None] * KG + kb[None, None, :]
+            b = tl.load((codes_ptr + page * ps_codes) + off, mask=g[None, :, None] < NG, other=0)
+            x = dequant_bf16(b, s[:, :, None], z[:, :, None], W, INTERP)
+            return tl.reshape(x, (BLOCK_N, DP))
+        else:
+            pb = tl.arange(0, DP * W // 8)
+            b = tl.load(
+                (codes_ptr + page * ps_codes) + (slots[:, None] * PB + pb[None, :]),
+                mask=valid[:, None] & (pb[None, :] < PB),
+                other=0,
+            )
+            q = unpack_codes(b, W)
+            zf = z.to(tl.float32) + 8388608.0
+            q3 = tl.reshape(q, (BLOCK_N, NGP, G))
+            f = (q3.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True)
+            x = (f - zf[:, :, None]) * s.to(tl.float32)[:, :, None]
+            return to_cache(tl.reshape(x, (BLOCK_N, DP)), OUT, INTERP)
+
+
 @triton.jit
 def load_tile(
     rows_ptr,
@@ -120,34 +298,10 @@ def load_tile(
     OUT: tl.constexpr,
     INTERP: tl.constexpr,
 ):
-    """(BLOCK_N, DP) rows of one path for tokens at ``slots`` (BLOCK_N,) int32 of physical ``page``
-    (a scalar, int64); 0 where not ``valid`` and in the padding columns D..DP (DP is D rounded up
-    to a power of two, the width Triton tiles need). The page base is one 64-bit scalar; the
-    per-element offsets inside a page stay 32-bit."""
-    cols = tl.arange(0, DP)
-    if BITS == 16:
-        ptr = (rows_ptr + page * ps_rows) + (slots[:, None] * D + cols[None, :])
-        return tl.load(ptr, mask=valid[:, None] & (cols[None, :] < D), other=0.0).to(OUT)
-    else:
-        PB: tl.constexpr = D * W // 8
-        NG: tl.constexpr = D // G
-        NGP: tl.constexpr = DP // G
-        pb = tl.arange(0, DP * W // 8)
-        b = tl.load(
-            (codes_ptr + page * ps_codes) + (slots[:, None] * PB + pb[None, :]),
-            mask=valid[:, None] & (pb[None, :] < PB),
-            other=0,
-        )
-        q = unpack_codes(b, W)
-        g = tl.arange(0, NGP)
-        gm = valid[:, None] & (g[None, :] < NG)
-        s = tl.load((scale_ptr + page * ps_scale) + (slots[:, None] * NG + g[None, :]), mask=gm, other=0.0)
-        z = tl.load((zero_ptr + page * ps_zero) + (slots[:, None] * NG + g[None, :]), mask=gm, other=0)
-        zf = z.to(tl.float32) + 8388608.0
-        q3 = tl.reshape(q, (BLOCK_N, NGP, G))
-        f = (q3.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True)
-        x = (f - zf[:, :, None]) * s.to(tl.float32)[:, :, None]
-        return to_cache(tl.reshape(x, (BLOCK_N, DP)), OUT, INTERP)
+    """:func:`load_meta` then :func:`load_rows` for one tile."""
+    s, z = load_meta(scale_ptr, zero_ptr, ps_scale, ps_zero, page, slots, valid, D, DP, BITS, G, BLOCK_N)
+    return load_rows(rows_ptr, codes_ptr, ps_rows, ps_codes, page, slots, valid, s, z, D, DP, BITS, W, G, BLOCK_N,
+                     OUT, INTERP)  # fmt: skip
 
 
 @triton.jit

@@ -26,7 +26,8 @@ from quantmla.kernels._tiles import (
     anchor,
     container_bits,
     dot,
-    load_tile,
+    load_meta,
+    load_rows,
     padded,
     region_args,
     tl_dtype,
@@ -138,19 +139,30 @@ def _decode_kernel(
     else:
         low_hi = L
     TPP: tl.constexpr = PAGE_SIZE // BLOCK_N  # tiles per page: a tile never straddles two pages
+    # The block-table entry and the small metadata loads of a tile are issued one tile ahead,
+    # so their latency hides behind the previous tile's work (the codes and rows themselves
+    # are software-pipelined by the compiler).
+    page = tl.load(BT + b * stride_bt + t_lo // TPP, mask=t_lo < t_hi, other=0).to(tl.int64)
+    slots = (t_lo % TPP) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs = t_lo * BLOCK_N + tl.arange(0, BLOCK_N)
+    valid = (offs < low_hi) & (offs >= SINK)
+    sc, zc = load_meta(CScale, CZero, ps_cscale, ps_czero, page, slots, valid, DC, DCP, C_BITS, G, BLOCK_N)
+    sr, zr = load_meta(RScale, RZero, ps_rscale, ps_rzero, page, slots, valid, DR, DR, R_BITS, G, BLOCK_N)
     for t in range(t_lo, t_hi):
         offs = t * BLOCK_N + tl.arange(0, BLOCK_N)
         valid = (offs < low_hi) & (offs >= SINK)
-        page = tl.load(BT + b * stride_bt + t // TPP).to(tl.int64)
         slots = (t % TPP) * BLOCK_N + tl.arange(0, BLOCK_N)
-        kc = load_tile(
-            CRows, CCodes, CScale, CZero, ps_crows, ps_ccodes, ps_cscale, ps_czero,
-            page, slots, valid, DC, DCP, C_BITS, C_W, G, BLOCK_N, KV, INTERP,
-        )  # fmt: skip
-        kr = load_tile(
-            RRows, RCodes, RScale, RZero, ps_rrows, ps_rcodes, ps_rscale, ps_rzero,
-            page, slots, valid, DR, DR, R_BITS, R_W, G, BLOCK_N, KV, INTERP,
-        )  # fmt: skip
+        kc = load_rows(CRows, CCodes, ps_crows, ps_ccodes, page, slots, valid, sc, zc,
+                       DC, DCP, C_BITS, C_W, G, BLOCK_N, KV, INTERP)  # fmt: skip
+        kr = load_rows(RRows, RCodes, ps_rrows, ps_rcodes, page, slots, valid, sr, zr,
+                       DR, DR, R_BITS, R_W, G, BLOCK_N, KV, INTERP)  # fmt: skip
+        tn = tl.minimum(t + 1, t_hi - 1)
+        page = tl.load(BT + b * stride_bt + tn // TPP).to(tl.int64)
+        offs_n = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+        valid_n = (offs_n < low_hi) & (offs_n >= SINK)
+        slots_n = (tn % TPP) * BLOCK_N + tl.arange(0, BLOCK_N)
+        sc, zc = load_meta(CScale, CZero, ps_cscale, ps_czero, page, slots_n, valid_n, DC, DCP, C_BITS, G, BLOCK_N)
+        sr, zr = load_meta(RScale, RZero, ps_rscale, ps_rzero, page, slots_n, valid_n, DR, DR, R_BITS, G, BLOCK_N)
         if C_BITS < 16:
             kc = anchor(kc, INTERP)
         m_i, l_i, acc = _online(
@@ -235,22 +247,36 @@ def _splits(B: int, heads: int, tiles: int, slots: int) -> int:
     return best
 
 
-def default_config(B: int, H: int, max_len: int, fmt, device) -> dict:
-    """Tiles, warps and splits for one decode shape (tuning notes: bench/NOTES.md).
+TILES = {
+    # (H > 16, quantized) -> tiles, warps, pipeline depth: the fastest of bench/decode.py --tune on
+    # the H200 (bench/NOTES.md, v3). Four-warp programs run two per SM.
+    (False, False): dict(block_h=16, block_n=32, num_warps=4, num_stages=3),
+    (False, True): dict(block_h=16, block_n=64, num_warps=4, num_stages=2),
+    (True, False): dict(block_h=32, block_n=64, num_warps=8, num_stages=3),
+    (True, True): dict(block_h=16, block_n=32, num_warps=4, num_stages=2),
+}
 
-    One request's heads share each tile: 16 heads per program for small H, 32 for large H
-    (the largest that keeps the float32 accumulator and the reconstructed tile in registers
-    without spills on sm_90). Splits fill the GPU at batch 1 and vanish at large batch.
+
+def default_config(B: int, H: int, max_len: int, fmt, device, config: dict | None = None) -> dict:
+    """Tiles, warps and splits for one decode shape; ``config`` overrides any of them.
+
+    One request's heads share each tile. Splits fill the GPU (SMs × programs per SM) at small
+    batch and vanish at large batch; they are counted for the tiles actually used.
     """
+    config = dict(config or {})
     if INTERPRET:
         block_h = max(16, triton.next_power_of_2(min(H, 64)))
-        return dict(block_h=block_h, block_n=64, num_splits=2, num_warps=4, num_stages=1)
-    block_h = 16 if H <= 16 else 32
-    block_n = 64  # measured best for every format at H = 16 and H = 128 (bench/NOTES.md, v2)
-    heads = triton.cdiv(H, block_h)
-    tiles = max(1, triton.cdiv(max_len, block_n))
-    splits = _splits(B, heads, tiles, _sms(device))
-    return dict(block_h=block_h, block_n=block_n, num_splits=splits, num_warps=8, num_stages=2)
+        return dict(block_h=block_h, block_n=64, num_splits=2, num_warps=4, num_stages=1) | config
+    cfg = dict(TILES[(H > 16, fmt.quantized)])
+    if fmt.dtype.itemsize == 4:  # twice the bytes per stage: keep the pipeline within shared memory
+        cfg.update(block_n=32, num_stages=2)
+    cfg |= config
+    if "num_splits" not in cfg:
+        heads = triton.cdiv(H, cfg["block_h"])
+        tiles = max(1, triton.cdiv(max_len, cfg["block_n"]))
+        per_sm = 2 if cfg["num_warps"] <= 4 else 1
+        cfg["num_splits"] = _splits(B, heads, tiles, per_sm * _sms(device))
+    return cfg
 
 
 def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | None = None, out=None):
@@ -260,7 +286,7 @@ def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | 
     dev = q_lat.device
     config = config or {}
     max_len = int(config["max_len"]) if "max_len" in config else (int(lengths.max()) if B else 0)
-    cfg = default_config(B, H, max_len, fmt, dev) | config
+    cfg = default_config(B, H, max_len, fmt, dev, config)
     block_h, block_n = cfg["block_h"], cfg["block_n"]
     if block_h < 16 or block_n < 16 or PAGE % block_n or (block_h & (block_h - 1)):
         raise ValueError(f"decode tiles: block_n must divide {PAGE}, both powers of two of at least 16; got {cfg}")
@@ -316,7 +342,7 @@ def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | 
         BLOCK_H=block_h,
         BLOCK_N=block_n,
         SPLIT=split,
-        PV_SPLIT=fmt.dtype != torch.float32,
+        PV_SPLIT=fmt.dtype != torch.float32 and cfg.get("pv_split", True),
         IEEE=fmt.dtype == torch.float32,
         KV=tl_dtype(fmt.dtype),
         INTERP=INTERPRET,
