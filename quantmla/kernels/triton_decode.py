@@ -17,6 +17,8 @@ them: m = max_j m_j, O = sum_j e^(m_j − m) s_j o_j / sum_j e^(m_j − m) s_j.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -236,6 +238,8 @@ def _sms(device) -> int:
 def _splits(B: int, heads: int, tiles: int, slots: int) -> int:
     """Split count that fills the GPU in whole waves: the fewest splits whose programs cover the
     ``slots`` (SMs × resident programs) at >= 90% wave efficiency, else the most efficient."""
+    if B * heads * 10 <= slots:  # one wave of at least 90%: as many splits as fit
+        return max(1, min(tiles, slots // (B * heads)))
     best, best_eff = 1, 0.0
     for s in range(1, max(1, min(tiles, -(-2 * slots // (B * heads)))) + 1):
         p = B * heads * s
@@ -263,7 +267,14 @@ def default_config(B: int, H: int, max_len: int, fmt, device, config: dict | Non
     One request's heads share each tile. Splits fill the GPU (SMs × programs per SM) at small
     batch and vanish at large batch; they are counted for the tiles actually used.
     """
-    config = dict(config or {})
+    key = tuple(sorted((config or {}).items()))
+    return dict(_config(B, H, max_len, fmt, device, key))
+
+
+@functools.lru_cache(maxsize=4096)
+def _config(B: int, H: int, max_len: int, fmt, device, key: tuple) -> dict:
+    """Cached body of :func:`default_config` (the split search stays off the per-step host path)."""
+    config = dict(key)
     if INTERPRET:
         block_h = max(16, triton.next_power_of_2(min(H, 64)))
         return dict(block_h=block_h, block_n=64, num_splits=2, num_warps=4, num_stages=1) | config
