@@ -236,18 +236,17 @@ def _sms(device) -> int:
 
 
 def _splits(B: int, heads: int, tiles: int, slots: int) -> int:
-    """Split count that fills the GPU in whole waves: the fewest splits whose programs cover the
-    ``slots`` (SMs × resident programs) at >= 90% wave efficiency, else the most efficient."""
-    if B * heads * 10 <= slots:  # one wave of at least 90%: as many splits as fit
-        return max(1, min(tiles, slots // (B * heads)))
-    best, best_eff = 1, 0.0
-    for s in range(1, max(1, min(tiles, -(-2 * slots // (B * heads)))) + 1):
-        p = B * heads * s
-        eff = p / (-(-p // slots) * slots)
-        if p >= slots and eff >= 0.9:
-            return s
-        if eff > best_eff + 1e-9:
-            best, best_eff = s, eff
+    """Split count for ``B · heads`` rows of ``tiles`` tiles on ``slots`` resident programs
+    (SMs × programs per SM). The kernel's time goes as waves / splits (every program of a
+    wave does ``tiles / splits`` tiles); among the fullest split count of 1 to 4 waves the
+    cheapest wins, and more splits must win by 5% (each split adds a partial output to merge)."""
+    rows = B * heads
+    best, cost = 1, -(-rows // slots)
+    for waves in range(1, 5):
+        s = max(1, min(tiles, waves * slots // rows))
+        c = -(-rows * s // slots) / s
+        if c < cost * 0.95:
+            best, cost = s, c
     return best
 
 
