@@ -163,6 +163,47 @@ fma.rn.bf16x2 $7, a7, $10, nzero;
 }""")
 
 
+# The same with FLOAT32 scales (the RoPE path): q - z exactly in bf16x2, widened to float32 by
+# a shift (lower half) or a mask (upper half), one float32 multiply as the reference does, and
+# one round to bf16 per pair. ``s`` is four float32 registers, ``nz`` two bf16x2 registers.
+_DEQ4F_ASM = tl.constexpr("""{
+.reg .b32 t<2>, u<2>, a<4>, f<8>, one;
+mov.b32 one, 0x3f803f80;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+shr.u32 u0, t0, 4;
+shr.u32 u1, t1, 4;
+lop3.b32 a0, t0, 0x000f000f, 0x43004300, 0xea;
+lop3.b32 a1, t1, 0x000f000f, 0x43004300, 0xea;
+lop3.b32 a2, u0, 0x000f000f, 0x43004300, 0xea;
+lop3.b32 a3, u1, 0x000f000f, 0x43004300, 0xea;
+fma.rn.bf16x2 a0, a0, one, $9;
+fma.rn.bf16x2 a1, a1, one, $10;
+fma.rn.bf16x2 a2, a2, one, $9;
+fma.rn.bf16x2 a3, a3, one, $10;
+shl.b32 f0, a0, 16;
+and.b32 f1, a0, 0xffff0000;
+shl.b32 f2, a1, 16;
+and.b32 f3, a1, 0xffff0000;
+shl.b32 f4, a2, 16;
+and.b32 f5, a2, 0xffff0000;
+shl.b32 f6, a3, 16;
+and.b32 f7, a3, 0xffff0000;
+mul.rn.f32 f0, f0, $5;
+mul.rn.f32 f1, f1, $6;
+mul.rn.f32 f2, f2, $7;
+mul.rn.f32 f3, f3, $8;
+mul.rn.f32 f4, f4, $5;
+mul.rn.f32 f5, f5, $6;
+mul.rn.f32 f6, f6, $7;
+mul.rn.f32 f7, f7, $8;
+cvt.rn.bf16x2.f32 $0, f1, f0;
+cvt.rn.bf16x2.f32 $1, f3, f2;
+cvt.rn.bf16x2.f32 $2, f5, f4;
+cvt.rn.bf16x2.f32 $3, f7, f6;
+}""")
+
+
 @triton.jit
 def _dq_plane(b, s, z, shift: tl.constexpr, mask: tl.constexpr):
     """Portable form of one plane of the packed dequantization (the interpreter runs this)."""
@@ -171,24 +212,54 @@ def _dq_plane(b, s, z, shift: tl.constexpr, mask: tl.constexpr):
 
 
 @triton.jit
-def dequant_bf16(b, s, z, W: tl.constexpr, INTERP: tl.constexpr):
-    """Packed bytes ``b`` (uint8) with per-element BF16 scales ``s`` and uint8 zero-points ``z``
-    (broadcast to ``b``'s shape) → BF16 rows in natural channel order along a new last axis:
-    ``(..., K)`` bytes give ``(..., K * 8 / W)`` elements."""
+def _merge(p0, p1, PERM: tl.constexpr):
+    """Two planes (..., K) → (..., 2K): element pairs side by side (natural order), or plane after plane."""
+    if PERM:
+        x = tl.join(p0, p1)
+        return tl.reshape(tl.permute(x, (0, 1, 3, 2)), (x.shape[0], x.shape[1], 2 * x.shape[2]))
+    else:
+        return tl.interleave(p0, p1)
+
+
+@triton.jit
+def _merge4(p0, p1, p2, p3, PERM: tl.constexpr):
+    if PERM:  # x[..., k, l, i] = plane 2i + l at k  →  (..., i, l, k): plane j = 2i + l, then k
+        x = tl.join(tl.join(p0, p1), tl.join(p2, p3))
+        return tl.reshape(tl.permute(x, (0, 1, 4, 3, 2)), (x.shape[0], x.shape[1], 4 * x.shape[2]))
+    else:
+        return tl.interleave(tl.interleave(p0, p2), tl.interleave(p1, p3))
+
+
+@triton.jit
+def dequant_bf16(b, s, z, W: tl.constexpr, PERM: tl.constexpr, INTERP: tl.constexpr):
+    """Packed bytes ``b`` (N, NG, KG) uint8 of one group per row of the middle axis, with
+    per-element scales ``s`` (BF16, or float32 for 4-bit codes) and uint8 zero-points ``z``
+    (broadcast to ``b``'s shape) → BF16 (N, NG, KG·8/W). Within a group, elements come in
+    natural channel order, or plane-major with ``PERM`` (channel P·k + j at column j·KG + k,
+    P = 8/W): :func:`to_planes` orders other operands the same way."""
     if INTERP:
         if W == 4:
-            return tl.interleave(_dq_plane(b, s, z, 0, 15), _dq_plane(b, s, z, 4, 15))
+            return _merge(_dq_plane(b, s, z, 0, 15), _dq_plane(b, s, z, 4, 15), PERM)
         else:
-            even = tl.interleave(_dq_plane(b, s, z, 0, 3), _dq_plane(b, s, z, 4, 3))
-            odd = tl.interleave(_dq_plane(b, s, z, 2, 3), _dq_plane(b, s, z, 6, 3))
-            return tl.interleave(even, odd)
+            p = (_dq_plane(b, s, z, 0, 3), _dq_plane(b, s, z, 2, 3), _dq_plane(b, s, z, 4, 3), _dq_plane(b, s, z, 6, 3))
+            return _merge4(p[0], p[1], p[2], p[3], PERM)
     else:
         nz = (-(z.to(tl.float32) + 128.0)).to(tl.bfloat16)
-        if W == 4:
+        if W == 4 and s.dtype == tl.float32:
+            lo, hi = tl.inline_asm_elementwise(
+                _DEQ4F_ASM,
+                "=r,=r,=r,=r,r,r,r,r,r,r,r",
+                [b, s, nz],
+                dtype=(tl.bfloat16, tl.bfloat16),
+                is_pure=True,
+                pack=4,
+            )
+            return _merge(lo, hi, PERM)
+        elif W == 4:
             lo, hi = tl.inline_asm_elementwise(
                 _DEQ4_ASM, "=r,=r,=r,=r,r,r,r,r,r", [b, s, nz], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4
             )
-            return tl.interleave(lo, hi)
+            return _merge(lo, hi, PERM)
         else:
             p0, p1, p2, p3 = tl.inline_asm_elementwise(
                 _DEQ2_ASM,
@@ -198,7 +269,36 @@ def dequant_bf16(b, s, z, W: tl.constexpr, INTERP: tl.constexpr):
                 is_pure=True,
                 pack=4,
             )
-            return tl.interleave(tl.interleave(p0, p2), tl.interleave(p1, p3))
+            return _merge4(p0, p1, p2, p3, PERM)
+
+
+@triton.jit
+def to_planes(x, G: tl.constexpr, W: tl.constexpr):
+    """(M, DP) in natural channel order → the plane-major order of :func:`dequant_bf16` (``PERM``)."""
+    P: tl.constexpr = 8 // W
+    M: tl.constexpr = x.shape[0]
+    DP: tl.constexpr = x.shape[1]
+    x4 = tl.reshape(x, (M, DP // G, G // P, P))
+    return tl.reshape(tl.permute(x4, (0, 1, 3, 2)), (M, DP))
+
+
+@triton.jit
+def from_planes(x, G: tl.constexpr, W: tl.constexpr):
+    """Inverse of :func:`to_planes`."""
+    P: tl.constexpr = 8 // W
+    M: tl.constexpr = x.shape[0]
+    DP: tl.constexpr = x.shape[1]
+    x4 = tl.reshape(x, (M, DP // G, P, G // P))
+    return tl.reshape(tl.permute(x4, (0, 1, 3, 2)), (M, DP))
+
+
+def packed_path(bits: int, dtype, scale_bf16: bool = True) -> bool:
+    """Whether a quantized path takes :func:`dequant_bf16` (BF16 cache; 2- or 4-bit containers
+    with BF16 scales, 4-bit containers with float32 scales)."""
+    import torch
+
+    w = container_bits(bits)
+    return bits < 16 and dtype == torch.bfloat16 and (w == 4 or (w == 2 and scale_bf16))
 
 
 @triton.jit
@@ -237,14 +337,16 @@ def load_rows(
     G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     OUT: tl.constexpr,
+    PERM: tl.constexpr,
     INTERP: tl.constexpr,
 ):
     """(BLOCK_N, DP) rows of one path for tokens at ``slots`` (BLOCK_N,) int32 of physical ``page``
     (a scalar, int64), given the tile's metadata from :func:`load_meta`; 0 where not ``valid``
     and in the padding columns D..DP (DP is D rounded up to a power of two, the width Triton
     tiles need). The page base is one 64-bit scalar; the per-element offsets inside a page
-    stay 32-bit. BF16 scales with 2- or 4-bit containers into a BF16 cache take the packed
-    two-per-instruction dequantization (:func:`dequant_bf16`)."""
+    stay 32-bit. Paths that :func:`packed_path` admits take the packed two-per-instruction
+    dequantization (:func:`dequant_bf16`), in plane-major channel order with ``PERM``; every
+    other tile comes in natural channel order."""
     cols = tl.arange(0, DP)
     if BITS == 16:
         ptr = (rows_ptr + page * ps_rows) + (slots[:, None] * D + cols[None, :])
@@ -253,13 +355,13 @@ def load_rows(
         PB: tl.constexpr = D * W // 8
         NG: tl.constexpr = D // G
         NGP: tl.constexpr = DP // G
-        if (W == 2 or W == 4) and OUT == tl.bfloat16 and s.dtype == tl.bfloat16:
+        if OUT == tl.bfloat16 and (W == 4 or (W == 2 and s.dtype == tl.bfloat16)):
             KG: tl.constexpr = G * W // 8  # bytes per group
             g = tl.arange(0, NGP)
             kb = tl.arange(0, KG)
             off = slots[:, None, None] * PB + g[None, :, None] * KG + kb[None, None, :]
             b = tl.load((codes_ptr + page * ps_codes) + off, mask=g[None, :, None] < NG, other=0)
-            x = dequant_bf16(b, s[:, :, None], z[:, :, None], W, INTERP)
+            x = dequant_bf16(b, s[:, :, None], z[:, :, None], W, PERM, INTERP)
             return tl.reshape(x, (BLOCK_N, DP))
         else:
             pb = tl.arange(0, DP * W // 8)
@@ -301,7 +403,7 @@ def load_tile(
     """:func:`load_meta` then :func:`load_rows` for one tile."""
     s, z = load_meta(scale_ptr, zero_ptr, ps_scale, ps_zero, page, slots, valid, D, DP, BITS, G, BLOCK_N)
     return load_rows(rows_ptr, codes_ptr, ps_rows, ps_codes, page, slots, valid, s, z, D, DP, BITS, W, G, BLOCK_N,
-                     OUT, INTERP)  # fmt: skip
+                     OUT, False, INTERP)  # fmt: skip
 
 
 @triton.jit
