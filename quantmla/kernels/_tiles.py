@@ -212,37 +212,17 @@ def _dq_plane(b, s, z, shift: tl.constexpr, mask: tl.constexpr):
 
 
 @triton.jit
-def _merge(p0, p1, PERM: tl.constexpr):
-    """Two planes (..., K) → (..., 2K): element pairs side by side (natural order), or plane after plane."""
-    if PERM:
-        x = tl.join(p0, p1)
-        return tl.reshape(tl.permute(x, (0, 1, 3, 2)), (x.shape[0], x.shape[1], 2 * x.shape[2]))
-    else:
-        return tl.interleave(p0, p1)
-
-
-@triton.jit
-def _merge4(p0, p1, p2, p3, PERM: tl.constexpr):
-    if PERM:  # x[..., k, l, i] = plane 2i + l at k  →  (..., i, l, k): plane j = 2i + l, then k
-        x = tl.join(tl.join(p0, p1), tl.join(p2, p3))
-        return tl.reshape(tl.permute(x, (0, 1, 4, 3, 2)), (x.shape[0], x.shape[1], 4 * x.shape[2]))
-    else:
-        return tl.interleave(tl.interleave(p0, p2), tl.interleave(p1, p3))
-
-
-@triton.jit
-def dequant_bf16(b, s, z, W: tl.constexpr, PERM: tl.constexpr, INTERP: tl.constexpr):
-    """Packed bytes ``b`` (N, NG, KG) uint8 of one group per row of the middle axis, with
-    per-element scales ``s`` (BF16, or float32 for 4-bit codes) and uint8 zero-points ``z``
-    (broadcast to ``b``'s shape) → BF16 (N, NG, KG·8/W). Within a group, elements come in
-    natural channel order, or plane-major with ``PERM`` (channel P·k + j at column j·KG + k,
-    P = 8/W): :func:`to_planes` orders other operands the same way."""
+def dequant_bf16(b, s, z, W: tl.constexpr, INTERP: tl.constexpr):
+    """Packed bytes ``b`` (uint8) with per-element scales ``s`` (BF16, or float32 for 4-bit codes)
+    and uint8 zero-points ``z`` (broadcast to ``b``'s shape) → BF16 rows in natural channel order along a new last axis:
+    ``(..., K)`` bytes give ``(..., K * 8 / W)`` elements."""
     if INTERP:
         if W == 4:
-            return _merge(_dq_plane(b, s, z, 0, 15), _dq_plane(b, s, z, 4, 15), PERM)
+            return tl.interleave(_dq_plane(b, s, z, 0, 15), _dq_plane(b, s, z, 4, 15))
         else:
-            p = (_dq_plane(b, s, z, 0, 3), _dq_plane(b, s, z, 2, 3), _dq_plane(b, s, z, 4, 3), _dq_plane(b, s, z, 6, 3))
-            return _merge4(p[0], p[1], p[2], p[3], PERM)
+            even = tl.interleave(_dq_plane(b, s, z, 0, 3), _dq_plane(b, s, z, 4, 3))
+            odd = tl.interleave(_dq_plane(b, s, z, 2, 3), _dq_plane(b, s, z, 6, 3))
+            return tl.interleave(even, odd)
     else:
         nz = (-(z.to(tl.float32) + 128.0)).to(tl.bfloat16)
         if W == 4 and s.dtype == tl.float32:
@@ -254,12 +234,12 @@ def dequant_bf16(b, s, z, W: tl.constexpr, PERM: tl.constexpr, INTERP: tl.conste
                 is_pure=True,
                 pack=4,
             )
-            return _merge(lo, hi, PERM)
+            return tl.interleave(lo, hi)
         elif W == 4:
             lo, hi = tl.inline_asm_elementwise(
                 _DEQ4_ASM, "=r,=r,=r,=r,r,r,r,r,r", [b, s, nz], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4
             )
-            return _merge(lo, hi, PERM)
+            return tl.interleave(lo, hi)
         else:
             p0, p1, p2, p3 = tl.inline_asm_elementwise(
                 _DEQ2_ASM,
@@ -269,36 +249,7 @@ def dequant_bf16(b, s, z, W: tl.constexpr, PERM: tl.constexpr, INTERP: tl.conste
                 is_pure=True,
                 pack=4,
             )
-            return _merge4(p0, p1, p2, p3, PERM)
-
-
-@triton.jit
-def to_planes(x, G: tl.constexpr, W: tl.constexpr):
-    """(M, DP) in natural channel order → the plane-major order of :func:`dequant_bf16` (``PERM``)."""
-    P: tl.constexpr = 8 // W
-    M: tl.constexpr = x.shape[0]
-    DP: tl.constexpr = x.shape[1]
-    x4 = tl.reshape(x, (M, DP // G, G // P, P))
-    return tl.reshape(tl.permute(x4, (0, 1, 3, 2)), (M, DP))
-
-
-@triton.jit
-def from_planes(x, G: tl.constexpr, W: tl.constexpr):
-    """Inverse of :func:`to_planes`."""
-    P: tl.constexpr = 8 // W
-    M: tl.constexpr = x.shape[0]
-    DP: tl.constexpr = x.shape[1]
-    x4 = tl.reshape(x, (M, DP // G, P, G // P))
-    return tl.reshape(tl.permute(x4, (0, 1, 3, 2)), (M, DP))
-
-
-def packed_path(bits: int, dtype, scale_bf16: bool = True) -> bool:
-    """Whether a quantized path takes :func:`dequant_bf16` (BF16 cache; 2- or 4-bit containers
-    with BF16 scales, 4-bit containers with float32 scales)."""
-    import torch
-
-    w = container_bits(bits)
-    return bits < 16 and dtype == torch.bfloat16 and (w == 4 or (w == 2 and scale_bf16))
+            return tl.interleave(tl.interleave(p0, p2), tl.interleave(p1, p3))
 
 
 @triton.jit
@@ -337,16 +288,14 @@ def load_rows(
     G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     OUT: tl.constexpr,
-    PERM: tl.constexpr,
     INTERP: tl.constexpr,
 ):
     """(BLOCK_N, DP) rows of one path for tokens at ``slots`` (BLOCK_N,) int32 of physical ``page``
     (a scalar, int64), given the tile's metadata from :func:`load_meta`; 0 where not ``valid``
     and in the padding columns D..DP (DP is D rounded up to a power of two, the width Triton
     tiles need). The page base is one 64-bit scalar; the per-element offsets inside a page
-    stay 32-bit. Paths that :func:`packed_path` admits take the packed two-per-instruction
-    dequantization (:func:`dequant_bf16`), in plane-major channel order with ``PERM``; every
-    other tile comes in natural channel order."""
+    stay 32-bit. Into a BF16 cache, 4-bit containers and 2-bit ones with BF16 scales take the
+    packed two-per-instruction dequantization (:func:`dequant_bf16`)."""
     cols = tl.arange(0, DP)
     if BITS == 16:
         ptr = (rows_ptr + page * ps_rows) + (slots[:, None] * D + cols[None, :])
@@ -361,7 +310,7 @@ def load_rows(
             kb = tl.arange(0, KG)
             off = slots[:, None, None] * PB + g[None, :, None] * KG + kb[None, None, :]
             b = tl.load((codes_ptr + page * ps_codes) + off, mask=g[None, :, None] < NG, other=0)
-            x = dequant_bf16(b, s[:, :, None], z[:, :, None], W, PERM, INTERP)
+            x = dequant_bf16(b, s[:, :, None], z[:, :, None], W, INTERP)
             return tl.reshape(x, (BLOCK_N, DP))
         else:
             pb = tl.arange(0, DP * W // 8)
@@ -403,7 +352,7 @@ def load_tile(
     """:func:`load_meta` then :func:`load_rows` for one tile."""
     s, z = load_meta(scale_ptr, zero_ptr, ps_scale, ps_zero, page, slots, valid, D, DP, BITS, G, BLOCK_N)
     return load_rows(rows_ptr, codes_ptr, ps_rows, ps_codes, page, slots, valid, s, z, D, DP, BITS, W, G, BLOCK_N,
-                     OUT, False, INTERP)  # fmt: skip
+                     OUT, INTERP)  # fmt: skip
 
 
 @triton.jit

@@ -28,14 +28,11 @@ from quantmla.kernels._tiles import (
     anchor,
     container_bits,
     dot,
-    from_planes,
     load_meta,
     load_rows,
-    packed_path,
     padded,
     region_args,
     tl_dtype,
-    to_planes,
 )
 from quantmla.kernels.layout import PAGE
 
@@ -109,7 +106,6 @@ def _decode_kernel(
     R_BITS: tl.constexpr,
     C_W: tl.constexpr,
     R_W: tl.constexpr,
-    C_PERM: tl.constexpr,
     SINK: tl.constexpr,
     RECENT: tl.constexpr,
     HAS_PROT: tl.constexpr,
@@ -133,8 +129,6 @@ def _decode_kernel(
     dr = tl.arange(0, DR)
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + dc[None, :], mask=hmask[:, None] & dcm, other=0.0)
     qpe = tl.load(QPE + b * stride_rb + heads[:, None] * stride_rh + dr[None, :], mask=hmask[:, None], other=0.0)
-    if C_PERM:  # content columns in the packed tiles' plane-major order (undone at the store)
-        q = to_planes(q, G, C_W)
 
     n_tiles = tl.cdiv(L, BLOCK_N)
     t_lo = pid_s * tiles_per_split
@@ -161,9 +155,9 @@ def _decode_kernel(
         valid = (offs < low_hi) & (offs >= SINK)
         slots = (t % TPP) * BLOCK_N + tl.arange(0, BLOCK_N)
         kc = load_rows(CRows, CCodes, ps_crows, ps_ccodes, page, slots, valid, sc, zc,
-                       DC, DCP, C_BITS, C_W, G, BLOCK_N, KV, C_PERM, INTERP)  # fmt: skip
+                       DC, DCP, C_BITS, C_W, G, BLOCK_N, KV, INTERP)  # fmt: skip
         kr = load_rows(RRows, RCodes, ps_rrows, ps_rcodes, page, slots, valid, sr, zr,
-                       DR, DR, R_BITS, R_W, G, BLOCK_N, KV, False, INTERP)  # fmt: skip
+                       DR, DR, R_BITS, R_W, G, BLOCK_N, KV, INTERP)  # fmt: skip
         tn = tl.minimum(t + 1, t_hi - 1)
         page = tl.load(BT + b * stride_bt + tn // TPP).to(tl.int64)
         offs_n = tn * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -187,8 +181,6 @@ def _decode_kernel(
                 valid = tl.where(r < SINK, r < L, (r < ROWS) & (tok >= SINK) & (tok < L))
                 rows = PROT + b * stride_pb + r[:, None] * (DC + DR)
                 kc = tl.load(rows + dc[None, :], mask=valid[:, None] & dcm, other=0.0)
-                if C_PERM:
-                    kc = to_planes(kc, G, C_W)
                 kr = tl.load(rows + DC + dr[None, :], mask=valid[:, None], other=0.0)
                 m_i, l_i, acc = _online(
                     q, qpe, kc, kr, valid, m_i, l_i, acc, qk_scale, BLOCK_H, BLOCK_N, PV_SPLIT, IEEE, KV, INTERP
@@ -196,8 +188,6 @@ def _decode_kernel(
 
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
-    if C_PERM:
-        o = from_planes(o, G, C_W)
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     o_ptr = O + b * stride_ob + heads[:, None] * stride_oh + pid_s * stride_os + dc[None, :]
     tl.store(o_ptr, o, mask=hmask[:, None] & dcm)
@@ -355,7 +345,6 @@ def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | 
         R_BITS=fmt.rope_bits,
         C_W=container_bits(fmt.content_bits),
         R_W=container_bits(fmt.rope_bits),
-        C_PERM=packed_path(fmt.content_bits, fmt.dtype) and container_bits(fmt.content_bits) == 4,
         SINK=layer.sink,
         RECENT=layer.recent,
         HAS_PROT=layer.prot is not None,
