@@ -106,5 +106,7 @@ def test_bad_decode_inputs_raise_before_launch():
         kernels.decode(layer, bt, lens, q, qp, 0.1, backend="cuda", out=out)
     with pytest.raises(ValueError, match="protection buffers hold 1"):
         kernels.decode(layer, bt.repeat(2, 1), lens.repeat(2), q.repeat(2, 1, 1), qp.repeat(2, 1, 1), 0.1)
+    with pytest.raises(ValueError, match=r"unknown decode config keys \['block_m'\]; known: block_h"):
+        kernels.decode(layer, bt, lens, q, qp, 0.1, "triton", dict(block_m=32), out=out)
     assert torch.isnan(out[0]).all() and torch.isnan(out[1]).all()  # nothing ran
     assert isinstance(layer, PagedLayer)

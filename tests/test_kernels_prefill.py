@@ -118,3 +118,5 @@ def test_bad_prefill_inputs_raise():
         kernels.prefill(q, qp, C, K.float(), kv_len, ql, 0.1, 4, 8, layer, bt)
     with pytest.raises(ValueError, match="outside the pool"):
         kernels.prefill(q, qp, C, K, kv_len, ql, 0.1, 4, 8, layer, bt + 10)
+    with pytest.raises(ValueError, match=r"unknown prefill config keys \['block_h'\]"):
+        kernels.prefill(q, qp, C, K, kv_len, ql, 0.1, 4, 8, layer, bt, "triton", dict(block_h=16))

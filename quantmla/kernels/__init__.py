@@ -131,12 +131,42 @@ def _check_out(out, shapes) -> None:
             raise ValueError(f"out tensors must be contiguous float32 of shapes {shapes}")
 
 
+DECODE_CONFIG = {
+    "block_h": "query heads per program (a power of two >= 16)",
+    "block_n": "tokens per tile (a power of two >= 16 dividing the 64-token page)",
+    "num_warps": "warps per program",
+    "num_stages": "software-pipeline depth of the tile loads",
+    "num_splits": "programs per (request, head block) along the context, merged by LSE",
+    "max_len": "the batch's longest request (saves a device-to-host read per call)",
+    "pv_split": "P·V with P as a hi/lo pair, float32 accuracy (default True; False: one BF16 tile)",
+}
+PREFILL_CONFIG = {
+    "block_m": "(query, head) rows per program",
+    "block_n": "keys per tile",
+    "num_warps": "warps per program",
+    "num_stages": "software-pipeline depth of the key loads",
+}
+
+
+def _check_config(config, keys: dict, what: str) -> None:
+    if config is None:
+        return
+    unknown = sorted(set(config) - set(keys))
+    if unknown:
+        raise ValueError(
+            f"unknown {what} config keys {unknown}; known: " + "; ".join(f"{k} ({v})" for k, v in keys.items())
+        )
+
+
 def decode(
     layer: PagedLayer, block_table, lengths, q_lat, q_pe, tau: float, backend: str = "auto", config=None, out=None
 ):
     """Decode attention: (o_lat (B, H, d_c), lse (B, H)) float32 for q_lat (B, H, d_c), q_pe (B, H, d_r)
     over each request's ``lengths[b]`` cached tokens (into ``out`` when given). ``config``
-    overrides the kernel's tile/split choice. See :func:`quantmla.kernels.reference.decode`."""
+    overrides the kernel's tile/split choice (keys: :data:`DECODE_CONFIG`; the defaults are
+    the tuned table of :mod:`~quantmla.kernels.triton_decode`).
+    See :func:`quantmla.kernels.reference.decode`."""
+    _check_config(config, DECODE_CONFIG, "decode")
     fmt = layer.fmt
     _same_device(layer.pool, block_table, lengths, q_lat, q_pe)
     _check_queries(q_lat, q_pe, (fmt.d_c, fmt.d_r))
@@ -167,7 +197,9 @@ def prefill(
     config=None,
     out=None,
 ):
-    """Teacher-forced attention with the decode-faithful rule; see :func:`quantmla.kernels.reference.prefill`."""
+    """Teacher-forced attention with the decode-faithful rule; see :func:`quantmla.kernels.reference.prefill`.
+    ``config`` overrides the kernel's tiles (keys: :data:`PREFILL_CONFIG`)."""
+    _check_config(config, PREFILL_CONFIG, "prefill")
     _same_device(q_lat, q_pe, C, K_P, kv_len, q_len, block_table, layer.pool if layer is not None else None)
     d_c, d_r = C.shape[-1], K_P.shape[-1]
     _check_queries(q_lat, q_pe, (d_c, d_r))
