@@ -1,11 +1,14 @@
 """Triton building blocks shared by the writer, decode and teacher-forced kernels.
 
-``load_tile`` reads the rows of one path (content or RoPE) for a tile of token slots of one
-page and returns them in the cache dtype: stored rows for a 16-bit path, else codes
-unpacked and dequantized in registers, ``x̂ = s·(q − z)`` in float32 rounded to the cache
-dtype, exactly as :meth:`quantmla.quant.QTensor.dequantize` followed by ``.to(dtype)``.
+``load_meta`` + ``load_rows`` (together ``load_tile``) read the rows of one path (content or
+RoPE) for a tile of token slots of one page and return them in the cache dtype: stored rows
+for a 16-bit path, else codes unpacked and dequantized in registers, ``x̂ = s·(q − z)``
+rounded to the cache dtype, exactly as :meth:`quantmla.quant.QTensor.dequantize` followed
+by ``.to(dtype)``. Into a BF16 cache the common formats take ``dequant_bf16``: two elements
+per instruction through bf16x2 arithmetic on the ``0x4300`` (128.0) pattern. Otherwise
 ``q − z`` is formed without an int→float conversion: ``q | 0x4B000000`` read as float32 is
-``2^23 + q``, and subtracting ``2^23 + z`` is exact.
+``2^23 + q``, and subtracting ``2^23 + z`` is exact. The decode kernel reads a tile's
+metadata one tile ahead, so ``load_meta`` is separate.
 
 ``quantize_row`` is eq. 35–36 for one token, bit for bit with :func:`quantmla.quant.quantize`:
 IEEE divisions (``div_rn``) and round-half-to-even through the ``1.5·2^23`` trick (exact

@@ -13,6 +13,10 @@ The same reconstructed content tile is the key of ``q_lat Ĉ^T`` and the value o
 product keeps float32 accuracy (~1e-6 relative instead of bf16's ~1e-3). With several
 splits, each writes a normalized partial output and its LSE and a second kernel merges
 them: m = max_j m_j, O = sum_j e^(m_j − m) s_j o_j / sum_j e^(m_j − m) s_j.
+
+Tiles, warps, pipeline depth and split counts come from :data:`TILES` (the fastest of
+``bench/decode.py --tune`` on the H200) and :func:`_splits`; ``bench/NOTES.md`` records
+each version's measurements.
 """
 
 from __future__ import annotations
