@@ -66,6 +66,13 @@ def _online(q, qpe, kc, kr, valid, m_i, l_i, acc, qk_scale, BLOCK_H: tl.constexp
 
 
 @triton.jit
+def _tile(t, low_hi, SINK: tl.constexpr, TPP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Page slots of tile ``t`` and which of its tokens the pages serve (SINK <= token < low_hi)."""
+    offs = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    return (t % TPP) * BLOCK_N + tl.arange(0, BLOCK_N), (offs < low_hi) & (offs >= SINK)
+
+
+@triton.jit
 def _decode_kernel(
     Q,
     QPE,
@@ -149,24 +156,18 @@ def _decode_kernel(
     # so their latency hides behind the previous tile's work (the codes and rows themselves
     # are software-pipelined by the compiler).
     page = tl.load(BT + b * stride_bt + t_lo // TPP, mask=t_lo < t_hi, other=0).to(tl.int64)
-    slots = (t_lo % TPP) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs = t_lo * BLOCK_N + tl.arange(0, BLOCK_N)
-    valid = (offs < low_hi) & (offs >= SINK)
+    slots, valid = _tile(t_lo, low_hi, SINK, TPP, BLOCK_N)
     sc, zc = load_meta(CScale, CZero, ps_cscale, ps_czero, page, slots, valid, DC, DCP, C_BITS, G, BLOCK_N)
     sr, zr = load_meta(RScale, RZero, ps_rscale, ps_rzero, page, slots, valid, DR, DR, R_BITS, G, BLOCK_N)
     for t in range(t_lo, t_hi):
-        offs = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        valid = (offs < low_hi) & (offs >= SINK)
-        slots = (t % TPP) * BLOCK_N + tl.arange(0, BLOCK_N)
+        slots, valid = _tile(t, low_hi, SINK, TPP, BLOCK_N)
         kc = load_rows(CRows, CCodes, ps_crows, ps_ccodes, page, slots, valid, sc, zc,
                        DC, DCP, C_BITS, C_W, G, BLOCK_N, KV, INTERP)  # fmt: skip
         kr = load_rows(RRows, RCodes, ps_rrows, ps_rcodes, page, slots, valid, sr, zr,
                        DR, DR, R_BITS, R_W, G, BLOCK_N, KV, INTERP)  # fmt: skip
         tn = tl.minimum(t + 1, t_hi - 1)
         page = tl.load(BT + b * stride_bt + tn // TPP).to(tl.int64)
-        offs_n = tn * BLOCK_N + tl.arange(0, BLOCK_N)
-        valid_n = (offs_n < low_hi) & (offs_n >= SINK)
-        slots_n = (tn % TPP) * BLOCK_N + tl.arange(0, BLOCK_N)
+        slots_n, valid_n = _tile(tn, low_hi, SINK, TPP, BLOCK_N)
         sc, zc = load_meta(CScale, CZero, ps_cscale, ps_czero, page, slots_n, valid_n, DC, DCP, C_BITS, G, BLOCK_N)
         sr, zr = load_meta(RScale, RZero, ps_rscale, ps_rzero, page, slots_n, valid_n, DR, DR, R_BITS, G, BLOCK_N)
         if C_BITS < 16:
