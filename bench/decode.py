@@ -1,18 +1,22 @@
 """Decode latency of the quantized-MLA core on one GPU: C16R16 vs C4R4 vs C2R4 vs unfused.
 
     python bench/decode.py                      # the full sweep, results under bench/results/
+    python bench/decode.py --tune               # time candidate tiles first, sweep with the best
+    python bench/decode.py --shapes 16:32:32768,128:32:32768   # chosen H:B:L shapes only
     python bench/decode.py --quick              # a few shapes (smoke test)
 
-Sweeps heads H ∈ {16, 128}, batch B ∈ {1, 32, 64, 128}, context L ∈ {4K, 32K, 128K}
+Sweeps heads H ∈ {16, 128}, batch B ∈ {1, 32, 64, 128}, context L ∈ {4K, 8K, 32K, 128K}
 (shapes whose caches do not fit are skipped). Every request owns its pages (shuffled in the
 pool) and C4R4/C2R4 carry the BF16 protection of sink 4 + recent 128. For each shape and
-format it reports the median time of ``triton.testing.do_bench`` (after warm-up; L2 is
-flushed before every timed call, and caches smaller than 2× L2 are additionally rotated
-over several page sets), the effective bandwidth on the bytes the format stores (pages +
-protection buffers), the useful TFLOP/s (2·B·H·L·(576 + 512)) and the speed-up over C16R16.
-"unfused" dequantizes the whole C4R4 cache with torch ops into BF16 pages and then runs the
-C16R16 kernel. The device copy bandwidth (bytes read + written) is measured in the same run.
-Writes ``decode-<date>.json`` (a list ``rows``, top-level ``copy_TBps``) and ``.md``.
+format it reports the median time of ``triton.testing.do_bench`` over CUDA-graph replays
+(after warm-up; launch overhead stays out; L2 is flushed before every timed call, and
+caches smaller than 2× L2 are additionally rotated over several page sets, one graph each),
+the effective bandwidth on the bytes the format stores (pages + protection buffers), the
+useful TFLOP/s (2·B·H·L·(576 + 512)) and the speed-up over C16R16. "unfused" dequantizes
+the whole C4R4 cache with torch ops into BF16 pages and then runs the C16R16 kernel. The
+device copy bandwidth (bytes read + written) is measured in the same run. ``--pv bf16``
+times P·V with P as one BF16 tile instead of the hi/lo pair. Writes ``decode-<date>.json``
+(a list ``rows``, top-level ``copy_TBps``) and ``.md``.
 """
 
 from __future__ import annotations
@@ -197,7 +201,7 @@ def tune(H, name, gen, l2_bytes, candidates, B=32, L=32768):
     return json.loads(best), times
 
 
-CANDIDATES = {  # tile configs timed by --tune (the compiler's register report rules out the spilling ones)
+CANDIDATES = {  # tile configs timed by --tune (those that spill heavily in the compiler's report are left out)
     16: [dict(block_n=32, num_warps=8, num_stages=st) for st in (2, 3)]
     + [dict(block_n=64, num_warps=8, num_stages=st) for st in (2, 3)]
     + [dict(block_n=bn, num_warps=4, num_stages=st) for bn in (16, 32, 64) for st in (2, 3)]
@@ -266,6 +270,16 @@ def table(rows, copy) -> str:
     return "\n".join(out) + f"\n\nDevice copy bandwidth (read + write): {copy:.2f} TB/s\n"
 
 
+def _shapes(text: str) -> list[tuple[int, int, int]]:
+    try:
+        shapes = [tuple(int(v) for v in x.split(":")) for x in text.split(",")]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(t) != 3 or min(t) < 1 for t in shapes):
+        raise argparse.ArgumentTypeError(f"expected H:B:L[,H:B:L...] with positive integers, got '{text}'")
+    return shapes
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a few shapes only")
@@ -275,7 +289,9 @@ def main(argv=None):
     ap.add_argument("--heads", default="16,128")
     ap.add_argument("--batches", default="1,32,64,128")
     ap.add_argument("--lengths", default="4096,8192,32768,131072")
-    ap.add_argument("--shapes", default="", help="explicit H:B:L shapes (comma-separated) instead of the sweep")
+    ap.add_argument(
+        "--shapes", type=_shapes, default=None, help="explicit H:B:L shapes (comma-separated) instead of the sweep"
+    )
     ap.add_argument(
         "--pv",
         choices=("split", "bf16"),
@@ -297,6 +313,8 @@ def main(argv=None):
     lengths = [int(x) for x in args.lengths.split(",")]
     if args.quick:
         batches, lengths = [1, 32], [4096, 32768]
+    shapes = args.shapes or [(H, B, L) for H in heads for B in batches for L in lengths]
+    heads = sorted({H for H, _, _ in shapes})
     common = {"pv_split": False} if args.pv == "bf16" else {}
     configs = {(H, n): dict(common) for H in heads for n in FORMATS}
     tuning = {}
@@ -334,10 +352,6 @@ def main(argv=None):
         md = f"# Decode benchmark, {meta['date']}\n\n{props.name}, torch {torch.__version__}, Triton {triton.__version__}\n\n"
         base.with_suffix(".md").write_text(md + table(meta["rows"], copy))
 
-    if args.shapes:
-        shapes = [tuple(int(v) for v in x.split(":")) for x in args.shapes.split(",")]
-    else:
-        shapes = [(H, B, L) for H in heads for B in batches for L in lengths]
     for H, B, L in shapes:
         need = B * (PageFormat(16, 16).request_bytes(L) + 2 * PageFormat(4, 4).request_bytes(L))
         if need * 1.3 > free:
