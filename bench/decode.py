@@ -213,6 +213,18 @@ CANDIDATES = {  # tile configs timed by --tune (those that spill heavily in the 
 }
 
 
+WIDE_P_BF16 = {  # 64-head tiles: with P as one BF16 tile they compile to wgmma without heavy spills
+    128: [dict(block_h=64, block_n=bn, num_warps=8, num_stages=st) for bn, st in ((32, 2), (32, 3), (64, 2))],
+}
+
+
+def candidates(H: int, pv: str) -> list[dict]:
+    """Tile configs --tune times for H heads under the P·V choice ``pv``."""
+    if pv == "bf16":
+        return [dict(c, pv_split=False) for c in CANDIDATES.get(H, [{}]) + WIDE_P_BF16.get(H, [])]
+    return CANDIDATES.get(H, [{}])
+
+
 def _warm_one(job) -> str:
     """Compile one (H, format, config, splits) variant on a tiny shape (fills Triton's disk cache)."""
     H, name, cfg = job
@@ -244,11 +256,11 @@ def warm(heads, workers=None) -> None:
     workers = workers or max(1, min(16, (os.cpu_count() or 2) - 1))
 
     jobs = [
-        (H, name, dict(cfg, **pv))
+        (H, name, cfg)
         for H in heads
         for name in FORMATS
-        for cfg in CANDIDATES.get(H, [{}]) + [{}]
-        for pv in ({}, {"pv_split": False})
+        for pv in ("split", "bf16")
+        for cfg in candidates(H, pv) + [{} if pv == "split" else {"pv_split": False}]
     ]
     with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
         for msg in ex.map(_warm_one, jobs):
@@ -321,8 +333,7 @@ def main(argv=None):
     if args.tune:
         for H in heads:
             for name in FORMATS:
-                cands = [dict(c, **common) for c in CANDIDATES.get(H, [{}])]
-                best, times = tune(H, name, gen, l2, cands)
+                best, times = tune(H, name, gen, l2, candidates(H, args.pv))
                 configs[(H, name)] = best
                 tuning[f"H{H}-{name}"] = times
                 print(f"tune H={H} {name}: {times} -> {best}", flush=True)
