@@ -102,109 +102,52 @@ def unpack_codes(b, W: tl.constexpr):
 
 
 # Two elements per instruction: a code c <= 15 ORed into the bf16 pattern 0x4300 (128.0) reads
-# as 128 + c exactly; subtracting 128 + z (exact, small integers) leaves q - z, and one bf16x2
-# multiply by the BF16 scale rounds the exact product once, to nearest even: bit for bit the
-# reference's round_bf16(float32(s) * (q - z)). Four packed bytes per call; ``nz`` = -(128 + z).
-_DEQ4_ASM = tl.constexpr("""{
-.reg .b32 t<2>, u<2>, a<4>, one, nzero;
-mov.b32 one, 0x3f803f80;
-mov.b32 nzero, 0x80008000;
-prmt.b32 t0, $4, 0, 0x4140;
-prmt.b32 t1, $4, 0, 0x4342;
-shr.u32 u0, t0, 4;
-shr.u32 u1, t1, 4;
-lop3.b32 a0, t0, 0x000f000f, 0x43004300, 0xea;
-lop3.b32 a1, t1, 0x000f000f, 0x43004300, 0xea;
-lop3.b32 a2, u0, 0x000f000f, 0x43004300, 0xea;
-lop3.b32 a3, u1, 0x000f000f, 0x43004300, 0xea;
-fma.rn.bf16x2 a0, a0, one, $7;
-fma.rn.bf16x2 a1, a1, one, $8;
-fma.rn.bf16x2 a2, a2, one, $7;
-fma.rn.bf16x2 a3, a3, one, $8;
-fma.rn.bf16x2 $0, a0, $5, nzero;
-fma.rn.bf16x2 $1, a1, $6, nzero;
-fma.rn.bf16x2 $2, a2, $5, nzero;
-fma.rn.bf16x2 $3, a3, $6, nzero;
-}""")
-
-_DEQ2_ASM = tl.constexpr("""{
-.reg .b32 t<2>, u<6>, a<8>, one, nzero;
-mov.b32 one, 0x3f803f80;
-mov.b32 nzero, 0x80008000;
-prmt.b32 t0, $8, 0, 0x4140;
-prmt.b32 t1, $8, 0, 0x4342;
-shr.u32 u0, t0, 2;
-shr.u32 u1, t1, 2;
-shr.u32 u2, t0, 4;
-shr.u32 u3, t1, 4;
-shr.u32 u4, t0, 6;
-shr.u32 u5, t1, 6;
-lop3.b32 a0, t0, 0x00030003, 0x43004300, 0xea;
-lop3.b32 a1, t1, 0x00030003, 0x43004300, 0xea;
-lop3.b32 a2, u0, 0x00030003, 0x43004300, 0xea;
-lop3.b32 a3, u1, 0x00030003, 0x43004300, 0xea;
-lop3.b32 a4, u2, 0x00030003, 0x43004300, 0xea;
-lop3.b32 a5, u3, 0x00030003, 0x43004300, 0xea;
-lop3.b32 a6, u4, 0x00030003, 0x43004300, 0xea;
-lop3.b32 a7, u5, 0x00030003, 0x43004300, 0xea;
-fma.rn.bf16x2 a0, a0, one, $11;
-fma.rn.bf16x2 a1, a1, one, $12;
-fma.rn.bf16x2 a2, a2, one, $11;
-fma.rn.bf16x2 a3, a3, one, $12;
-fma.rn.bf16x2 a4, a4, one, $11;
-fma.rn.bf16x2 a5, a5, one, $12;
-fma.rn.bf16x2 a6, a6, one, $11;
-fma.rn.bf16x2 a7, a7, one, $12;
-fma.rn.bf16x2 $0, a0, $9, nzero;
-fma.rn.bf16x2 $1, a1, $10, nzero;
-fma.rn.bf16x2 $2, a2, $9, nzero;
-fma.rn.bf16x2 $3, a3, $10, nzero;
-fma.rn.bf16x2 $4, a4, $9, nzero;
-fma.rn.bf16x2 $5, a5, $10, nzero;
-fma.rn.bf16x2 $6, a6, $9, nzero;
-fma.rn.bf16x2 $7, a7, $10, nzero;
-}""")
+# as 128 + c exactly; adding nz = -(128 + z) (exact, small integers) leaves q - z, and one
+# bf16x2 multiply by the BF16 scale rounds the exact product once, to nearest even: bit for
+# bit the reference's round_bf16(float32(s) * (q - z)). Each call takes four packed bytes.
 
 
-# The same with FLOAT32 scales (the RoPE path): q - z exactly in bf16x2, widened to float32 by
-# a shift (lower half) or a mask (upper half), one float32 multiply as the reference does, and
-# one round to bf16 per pair. ``s`` is four float32 registers, ``nz`` two bf16x2 registers.
-_DEQ4F_ASM = tl.constexpr("""{
-.reg .b32 t<2>, u<2>, a<4>, f<8>, one;
-mov.b32 one, 0x3f803f80;
-prmt.b32 t0, $4, 0, 0x4140;
-prmt.b32 t1, $4, 0, 0x4342;
-shr.u32 u0, t0, 4;
-shr.u32 u1, t1, 4;
-lop3.b32 a0, t0, 0x000f000f, 0x43004300, 0xea;
-lop3.b32 a1, t1, 0x000f000f, 0x43004300, 0xea;
-lop3.b32 a2, u0, 0x000f000f, 0x43004300, 0xea;
-lop3.b32 a3, u1, 0x000f000f, 0x43004300, 0xea;
-fma.rn.bf16x2 a0, a0, one, $9;
-fma.rn.bf16x2 a1, a1, one, $10;
-fma.rn.bf16x2 a2, a2, one, $9;
-fma.rn.bf16x2 a3, a3, one, $10;
-shl.b32 f0, a0, 16;
-and.b32 f1, a0, 0xffff0000;
-shl.b32 f2, a1, 16;
-and.b32 f3, a1, 0xffff0000;
-shl.b32 f4, a2, 16;
-and.b32 f5, a2, 0xffff0000;
-shl.b32 f6, a3, 16;
-and.b32 f7, a3, 0xffff0000;
-mul.rn.f32 f0, f0, $5;
-mul.rn.f32 f1, f1, $6;
-mul.rn.f32 f2, f2, $7;
-mul.rn.f32 f3, f3, $8;
-mul.rn.f32 f4, f4, $5;
-mul.rn.f32 f5, f5, $6;
-mul.rn.f32 f6, f6, $7;
-mul.rn.f32 f7, f7, $8;
-cvt.rn.bf16x2.f32 $0, f1, f0;
-cvt.rn.bf16x2.f32 $1, f3, f2;
-cvt.rn.bf16x2.f32 $2, f5, f4;
-cvt.rn.bf16x2.f32 $3, f7, f6;
-}""")
+def _unpack_ptx(planes: int, b: str, nz: tuple[str, str]) -> list[str]:
+    """PTX lines: the four code bytes in register ``b`` → ``2·planes`` bf16x2 registers
+    ``a0, a1, ...`` holding q − z (plane j of bytes 0,1 then of bytes 2,3: ``a2j``, ``a2j+1``)."""
+    width = 8 // planes
+    mask = (1 << width) - 1
+    src = ["t0", "t1"] + [f"u{i}" for i in range(2 * (planes - 1))]
+    lines = [f"prmt.b32 t0, {b}, 0, 0x4140;", f"prmt.b32 t1, {b}, 0, 0x4342;"]
+    lines += [f"shr.u32 u{2 * (j - 1) + h}, t{h}, {width * j};" for j in range(1, planes) for h in (0, 1)]
+    lines += [f"lop3.b32 a{i}, {src[i]}, 0x000{mask:x}000{mask:x}, 0x43004300, 0xea;" for i in range(2 * planes)]
+    lines += [f"fma.rn.bf16x2 a{i}, a{i}, one, {nz[i % 2]};" for i in range(2 * planes)]
+    return lines
+
+
+def _deq_bf16_ptx(planes: int) -> str:
+    """Outputs $0.. (two registers per plane), then the bytes, two scale and two nz registers."""
+    b = 2 * planes
+    lines = [
+        f".reg .b32 t<2>, u<{2 * (planes - 1)}>, a<{2 * planes}>, one, nzero;",
+        "mov.b32 one, 0x3f803f80;",
+        "mov.b32 nzero, 0x80008000;",
+        *_unpack_ptx(planes, f"${b}", (f"${b + 3}", f"${b + 4}")),
+        *(f"fma.rn.bf16x2 ${i}, a{i}, ${b + 1 + i % 2}, nzero;" for i in range(2 * planes)),
+    ]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+def _deq4_f32_ptx() -> str:
+    """The same with FLOAT32 scales (the RoPE path): q − z widened to float32 by a shift (lower
+    half) or a mask (upper half), one float32 multiply as the reference does, one rounding to
+    bf16 per pair. Outputs $0-$3, bytes $4, four scale registers $5-$8, nz $9-$10."""
+    lines = [".reg .b32 t<2>, u<2>, a<4>, f<8>, one;", "mov.b32 one, 0x3f803f80;", *_unpack_ptx(2, "$4", ("$9", "$10"))]
+    for i in range(4):
+        lines += [f"shl.b32 f{2 * i}, a{i}, 16;", f"and.b32 f{2 * i + 1}, a{i}, 0xffff0000;"]
+    lines += [f"mul.rn.f32 f{i}, f{i}, ${5 + i % 4};" for i in range(8)]
+    lines += [f"cvt.rn.bf16x2.f32 ${i}, f{2 * i + 1}, f{2 * i};" for i in range(4)]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_DEQ4_ASM = tl.constexpr(_deq_bf16_ptx(2))
+_DEQ2_ASM = tl.constexpr(_deq_bf16_ptx(4))
+_DEQ4F_ASM = tl.constexpr(_deq4_f32_ptx())
 
 
 @triton.jit
