@@ -219,10 +219,15 @@ WIDE_P_BF16 = {  # 64-head tiles: with P as one BF16 tile they compile to wgmma 
 
 
 def candidates(H: int, pv: str) -> list[dict]:
-    """Tile configs --tune times for H heads under the P·V choice ``pv``."""
-    if pv == "bf16":
+    """Tile configs --tune times for H heads under the P·V choice ``pv`` ("default": the kernel's
+    own choice per head count, "split": the hi/lo pair, "bf16": one BF16 tile)."""
+    if pv == "bf16" or (pv == "default" and H > 16):
         return [dict(c, pv_split=False) for c in CANDIDATES.get(H, [{}]) + WIDE_P_BF16.get(H, [])]
-    return CANDIDATES.get(H, [{}])
+    return [dict(c, pv_split=True) if pv == "split" else c for c in CANDIDATES.get(H, [{}])]
+
+
+def _pv_config(pv: str) -> dict:
+    return {"split": {"pv_split": True}, "bf16": {"pv_split": False}}.get(pv, {})
 
 
 def _warm_one(job) -> str:
@@ -259,8 +264,8 @@ def warm(heads, workers=None) -> None:
         (H, name, cfg)
         for H in heads
         for name in FORMATS
-        for pv in ("split", "bf16")
-        for cfg in candidates(H, pv) + [{} if pv == "split" else {"pv_split": False}]
+        for pv in ("default", "split", "bf16")
+        for cfg in candidates(H, pv) + [_pv_config(pv)]
     ]
     with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
         for msg in ex.map(_warm_one, jobs):
@@ -306,9 +311,10 @@ def main(argv=None):
     )
     ap.add_argument(
         "--pv",
-        choices=("split", "bf16"),
-        default="split",
-        help="P·V with P as a hi/lo BF16 pair (float32 accuracy, the default) or as one BF16 tile (FlashMLA's choice)",
+        choices=("default", "split", "bf16"),
+        default="default",
+        help="P·V as the kernel chooses per head count (default), with P as a hi/lo BF16 pair (float32 "
+        "accuracy), or with P as one BF16 tile (FlashMLA's choice)",
     )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -327,7 +333,7 @@ def main(argv=None):
         batches, lengths = [1, 32], [4096, 32768]
     shapes = args.shapes or [(H, B, L) for H in heads for B in batches for L in lengths]
     heads = sorted({H for H, _, _ in shapes})
-    common = {"pv_split": False} if args.pv == "bf16" else {}
+    common = _pv_config(args.pv)
     configs = {(H, n): dict(common) for H in heads for n in FORMATS}
     tuning = {}
     if args.tune:

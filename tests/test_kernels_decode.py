@@ -48,11 +48,14 @@ def test_decode_kernel_matches_reference(case):
     q, qp = _queries(len(lengths), H, gen, d_c)
     o_ref, lse_ref = ref.decode(layer, bt, lens, q, qp, 576**-0.5)
     configs = [None, dict(num_splits=1), dict(num_splits=3, block_n=16)]
-    for cfg in configs if H == 16 and cb == 4 else configs[:1]:
+    if H > 16:  # the default there rounds P to BF16 once (1e-2); the hi/lo pair keeps float32 accuracy
+        configs = [None, dict(pv_split=True)]
+    for cfg in configs if H != 16 or cb == 4 else configs[:1]:
         out = _poisoned(len(lengths), H, d_c)
         o, lse = kernels.decode(layer, bt, lens, q, qp, 576**-0.5, "triton", cfg, out=out)
         assert o is out[0] and not torch.isnan(o).any() and not torch.isnan(lse).any()
-        assert rel(o, o_ref) < TOL, (cfg, rel(o, o_ref))
+        tol = 1e-2 if H > 16 and cfg is None else TOL
+        assert rel(o, o_ref) < tol, (cfg, rel(o, o_ref))
         assert rel(lse, lse_ref) < TOL and same_inf(lse, lse_ref)
 
 

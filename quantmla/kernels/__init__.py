@@ -138,7 +138,7 @@ DECODE_CONFIG = {
     "num_stages": "software-pipeline depth of the tile loads",
     "num_splits": "programs per (request, head block) along the context, merged by LSE",
     "max_len": "the batch's longest request (saves a device-to-host read per call)",
-    "pv_split": "P·V with P as a hi/lo pair, float32 accuracy (default True; False: one BF16 tile)",
+    "pv_split": "P·V with P as a hi/lo pair, float32 accuracy (True, the default up to 16 heads) or one BF16 tile (False, the default above)",
 }
 PREFILL_CONFIG = {
     "block_m": "(query, head) rows per program",

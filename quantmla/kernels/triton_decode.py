@@ -9,8 +9,9 @@ runs the online softmax of absorbed attention::
     S = tau (q_lat Ĉ^T + q_pe K̂_P^T),   o += softmax(S) Ĉ
 
 The same reconstructed content tile is the key of ``q_lat Ĉ^T`` and the value of ``P Ĉ``.
-``P`` enters the tensor cores as a hi/lo pair in the cache dtype (P = P_hi + P_lo), so the
-product keeps float32 accuracy (~1e-6 relative instead of bf16's ~1e-3). With several
+With up to 16 heads ``P`` enters the tensor cores as a hi/lo pair in the cache dtype
+(P = P_hi + P_lo), so the product keeps float32 accuracy (~1e-6 relative instead of bf16's
+~1e-3); above 16 heads it is one BF16 tile by default (``pv_split``, see :data:`TILES`). With several
 splits, each writes a normalized partial output and its LSE and a second kernel merges
 them: m = max_j m_j, O = sum_j e^(m_j − m) s_j o_j / sum_j e^(m_j − m) s_j.
 
@@ -257,11 +258,13 @@ def _splits(B: int, heads: int, tiles: int, slots: int) -> int:
 
 TILES = {
     # (H > 16, quantized) -> tiles, warps, pipeline depth: the fastest of bench/decode.py --tune on
-    # the H200 (bench/NOTES.md, v3). Four-warp programs run two per SM.
+    # the H200 (bench/NOTES.md, v3 and v6). Four-warp programs run two per SM. Above 16 heads, P
+    # enters P·V as one BF16 tile (FlashMLA's precision): that is what lets 64-head programs
+    # compile to wgmma without spilling, one program per 64 heads reconstructing each tile once.
     (False, False): dict(block_h=16, block_n=32, num_warps=4, num_stages=3),
     (False, True): dict(block_h=16, block_n=64, num_warps=4, num_stages=2),
-    (True, False): dict(block_h=32, block_n=64, num_warps=8, num_stages=3),
-    (True, True): dict(block_h=16, block_n=32, num_warps=4, num_stages=2),
+    (True, False): dict(block_h=64, block_n=64, num_warps=8, num_stages=2, pv_split=False),
+    (True, True): dict(block_h=64, block_n=64, num_warps=8, num_stages=2, pv_split=False),
 }
 
 
@@ -281,10 +284,12 @@ def _config(B: int, H: int, max_len: int, fmt, device, key: tuple) -> dict:
     config = dict(key)
     if INTERPRET:
         block_h = max(16, triton.next_power_of_2(min(H, 64)))
-        return dict(block_h=block_h, block_n=64, num_splits=2, num_warps=4, num_stages=1) | config
+        base = dict(block_h=block_h, block_n=64, num_splits=2, num_warps=4, num_stages=1, pv_split=H <= 16)
+        return base | config
     cfg = dict(TILES[(H > 16, fmt.quantized)])
-    if fmt.dtype.itemsize == 4:  # twice the bytes per stage: keep the pipeline within shared memory
-        cfg.update(block_n=32, num_stages=2)
+    cfg["block_h"] = min(cfg["block_h"], max(16, triton.next_power_of_2(H)))
+    if fmt.dtype.itemsize == 4:  # twice the bytes per stage: keep the tiles within shared memory
+        cfg.update(block_h=min(cfg["block_h"], 32), block_n=32, num_stages=2)
     cfg |= config
     if "num_splits" not in cfg:
         heads = triton.cdiv(H, cfg["block_h"])
