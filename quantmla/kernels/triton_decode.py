@@ -177,7 +177,7 @@ def _decode_kernel(
             q, qpe, kc, kr, valid, m_i, l_i, acc, qk_scale, BLOCK_H, BLOCK_N, PV_SPLIT, IEEE, KV, INTERP
         )
     if HAS_PROT:
-        if pid_s == 0:  # the protected rows: sink rows, then the ring of the latest RECENT tokens
+        if pid_s == tl.num_programs(1) - 1:  # the protected rows (sink, then the ring of the latest RECENT)
             ROWS: tl.constexpr = SINK + RECENT
             for r0 in range(0, ROWS, BLOCK_N):
                 r = r0 + tl.arange(0, BLOCK_N)
@@ -310,10 +310,13 @@ def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | 
     block_h, block_n = cfg["block_h"], cfg["block_n"]
     if block_h < 16 or block_n < 16 or PAGE % block_n or (block_h & (block_h - 1)):
         raise ValueError(f"decode tiles: block_n must divide {PAGE}, both powers of two of at least 16; got {cfg}")
+    # The last split also attends to the protected rows, so it takes that many fewer page tiles:
+    # work is counted in tiles, pages first, and cut into equal shares.
     tiles = max(1, triton.cdiv(max_len, block_n))
-    splits = max(1, min(int(cfg["num_splits"]), tiles))
-    per = triton.cdiv(tiles, splits)
-    splits = triton.cdiv(tiles, per)
+    work = tiles + (triton.cdiv(layer.sink + layer.recent, block_n) if layer.prot is not None else 0)
+    splits = max(1, min(int(cfg["num_splits"]), work))
+    per = triton.cdiv(work, splits)
+    splits = triton.cdiv(work, per)
     q = q_lat.to(fmt.dtype).contiguous()
     qpe = q_pe.to(fmt.dtype).contiguous()
     o, lse = out if out is not None else (torch.empty(B, H, fmt.d_c, dtype=torch.float32, device=dev), None)
