@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).parent))
 import decode as bench  # noqa: E402
@@ -35,15 +34,8 @@ def main() -> None:
     props = torch.cuda.get_device_properties(0)
     gen = torch.Generator(device=bench.DEV).manual_seed(0)
     stamp = datetime.datetime.now(datetime.UTC)
-    meta = {
-        "date": stamp.isoformat(timespec="seconds"),
-        "gpu": props.name,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "command": "git apply bench/ablate.patch && python bench/ablate.py",
-        "timing": "triton.testing.do_bench median over CUDA-graph replays, L2 flushed before each",
-        "ms": {},
-    }
+    meta = bench.run_meta(props, stamp, "git apply bench/ablate.patch && python bench/ablate.py")
+    meta["ms"] = {}
     for H, B, L in SHAPES:
         for name in ("c16r16", "c4r4"):
             sh = bench.Shape(H, B, L, gen, props.L2_cache_size, formats=(name,))

@@ -139,6 +139,21 @@ class Shape:
         return time_calls(calls)
 
 
+TIMING = "triton.testing.do_bench median over CUDA-graph replays, L2 flushed before each"
+
+
+def run_meta(props, stamp, command: str) -> dict:
+    """The header every benchmark record starts with: when, on what, with which versions, how."""
+    return {
+        "date": stamp.isoformat(timespec="seconds"),
+        "gpu": props.name,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "command": command,
+        "timing": TIMING,
+    }
+
+
 def time_calls(calls) -> float:
     """Median ms of ``do_bench`` over CUDA-graph replays of ``calls`` (one graph per page set,
     taken in turn), so the host's launch overhead stays out of the kernel time."""
@@ -345,17 +360,12 @@ def main(argv=None):
                 print(f"tune H={H} {name}: {times} -> {best}", flush=True)
     free = torch.cuda.mem_get_info()[0]
     stamp = datetime.datetime.now(datetime.UTC)
-    meta = {
-        "date": stamp.isoformat(timespec="seconds"),
-        "gpu": props.name,
+    meta = run_meta(props, stamp, "python bench/decode.py " + " ".join(sys.argv[1:] if argv is None else argv))
+    meta |= {
         "sms": props.multi_processor_count,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
         "python": platform.python_version(),
-        "command": "python bench/decode.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "copy_TBps": copy,
         "pv": args.pv,
-        "timing": "triton.testing.do_bench median over CUDA-graph replays, L2 flushed before each",
         "configs": {f"H{h}-{n}": c for (h, n), c in configs.items()},
         "tuning_ms": tuning,
         "rows": [],

@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent))
@@ -39,16 +38,9 @@ def main() -> None:
     props = torch.cuda.get_device_properties(0)
     gen = torch.Generator(device=bench.DEV).manual_seed(0)
     stamp = datetime.datetime.now(datetime.UTC)
-    meta = {
-        "date": stamp.isoformat(timespec="seconds"),
-        "gpu": props.name,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "command": "python bench/prototypes/gluon_check.py",
-        "timing": "triton.testing.do_bench median over CUDA-graph replays, L2 flushed before each",
-        "check_rel_err_vs_triton": {},
-        "ms": {},
-    }
+    meta = bench.run_meta(props, stamp, "python bench/prototypes/gluon_check.py")
+    meta["check_rel_err_vs_triton"] = {}
+    meta["ms"] = {}
     for B, L in [(3, 700), (2, 5000), (1, 131072)]:
         sh = bench.Shape(16, B, L, gen, 0, formats=("c4r4",))
         lens = torch.randint(1, L + 1, (B,), device=bench.DEV, generator=gen)
