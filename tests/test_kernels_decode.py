@@ -59,6 +59,22 @@ def test_decode_kernel_matches_reference(case):
         assert rel(lse, lse_ref) < TOL and same_inf(lse, lse_ref)
 
 
+def test_decode_splits_where_the_last_holds_only_the_protected_rows():
+    """Work is page tiles plus protected tiles, cut into equal shares, and the last split takes the
+    protected rows: with 300 and 90 tokens (5 and 2 page tiles of 64, plus 3 protected tiles) and 8
+    splits of one tile each, splits 5-6 hold nothing for either request and split 7 only the
+    protected rows. Every split count gives the reference's output."""
+    gen = torch.Generator().manual_seed(5)
+    layer, bt, lens, _, _ = filled_layer(PageFormat(4, 4), [300, 90], gen)
+    q, qp = _queries(2, 16, gen)
+    o_ref, lse_ref = ref.decode(layer, bt, lens, q, qp, 576**-0.5)
+    for splits in (2, 4, 8):
+        out = _poisoned(2, 16)
+        o, lse = kernels.decode(layer, bt, lens, q, qp, 576**-0.5, "triton", dict(block_n=64, num_splits=splits), out)
+        assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+        assert rel(o, o_ref) < TOL and rel(lse, lse_ref) < TOL, splits
+
+
 def test_decode_of_an_empty_request():
     gen = torch.Generator().manual_seed(0)
     layer, bt, lens, _, _ = filled_layer(PageFormat(4, 4), [40, 0], gen)
