@@ -272,10 +272,13 @@ def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, num_splits: int
     from quantmla.kernels.triton_decode import _combine_kernel
 
     fmt = layer.fmt
-    assert fmt.content_bits == 4 and fmt.rope_bits == 4 and fmt.dtype == torch.bfloat16 and fmt.group == 64
-    assert fmt.d_c == 512 and fmt.d_r == 64 and layer.prot is not None
+    if (fmt.content_bits, fmt.rope_bits, fmt.dtype, fmt.group, fmt.d_c, fmt.d_r) != (4, 4, torch.bfloat16, 64, 512, 64):
+        raise ValueError(f"the prototype takes C4R4 in a BF16 cache, group 64, d_c 512, d_r 64; got {fmt}")
+    if layer.prot is None:
+        raise ValueError("the prototype needs the protection buffers (sink and recent rows)")
     B, H, _ = q_lat.shape
-    assert H <= 16
+    if H > 16:
+        raise ValueError(f"the prototype takes up to 16 heads, got {H}")
     dev = q_lat.device
     tiles = max(1, triton.cdiv(max_len, 64))
     splits = max(1, min(num_splits, tiles))
