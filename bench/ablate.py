@@ -46,11 +46,7 @@ def main() -> None:
                 print(f"{key}: {ms:.4f} ms", flush=True)
             del sh
             torch.cuda.empty_cache()
-    folder = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent / "results"
-    folder.mkdir(parents=True, exist_ok=True)
-    out = folder / f"ablate-{stamp:%Y%m%d-%H%M%S}.json"
-    out.write_text(json.dumps(meta, indent=1))
-    print(f"wrote {out}")
+    bench.write_record(meta, "ablate", stamp, sys.argv[1] if len(sys.argv) > 1 else None)
 
 
 if __name__ == "__main__":

@@ -154,6 +154,16 @@ def run_meta(props, stamp, command: str) -> dict:
     }
 
 
+def write_record(meta: dict, prefix: str, stamp, folder=None) -> Path:
+    """Write ``meta`` as ``<prefix>-<date>.json`` into ``folder`` (default ``bench/results``)."""
+    folder = Path(folder) if folder else Path(__file__).parent / "results"
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / f"{prefix}-{stamp:%Y%m%d-%H%M%S}.json"
+    out.write_text(json.dumps(meta, indent=1))
+    print(f"wrote {out}")
+    return out
+
+
 def time_calls(calls) -> float:
     """Median ms of ``do_bench`` over CUDA-graph replays of ``calls`` (one graph per page set,
     taken in turn), so the host's launch overhead stays out of the kernel time."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import datetime
 import functools
-import json
 import sys
 from pathlib import Path
 
@@ -75,11 +74,7 @@ def main() -> None:
         print(f"H16 B{B} L{L}:", {k: round(v, 4) for k, v in row.items()}, flush=True)
         del sh
         torch.cuda.empty_cache()
-    folder = Path(sys.argv[1]) if len(sys.argv) > 1 else HERE.parent / "results"
-    folder.mkdir(parents=True, exist_ok=True)
-    out = folder / f"gluon-prototype-{stamp:%Y%m%d-%H%M%S}.json"
-    out.write_text(json.dumps(meta, indent=1))
-    print(f"wrote {out}")
+    bench.write_record(meta, "gluon-prototype", stamp, sys.argv[1] if len(sys.argv) > 1 else None)
 
 
 if __name__ == "__main__":
