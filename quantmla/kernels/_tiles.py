@@ -1,6 +1,6 @@
 """Triton building blocks shared by the writer, decode and teacher-forced kernels.
 
-``load_meta`` + ``load_rows`` (together ``load_tile``) read the rows of one path (content or
+``load_meta`` + ``load_rows`` read the rows of one path (content or
 RoPE) for a tile of token slots of one page and return them in the cache dtype: stored rows
 for a 16-bit path, else codes unpacked and dequantized in registers, ``x̂ = s·(q − z)``
 rounded to the cache dtype, exactly as :meth:`quantmla.quant.QTensor.dequantize` followed
@@ -271,34 +271,6 @@ def load_rows(
             f = (q3.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True)
             x = (f - zf[:, :, None]) * s.to(tl.float32)[:, :, None]
             return to_cache(tl.reshape(x, (BLOCK_N, DP)), OUT, INTERP)
-
-
-@triton.jit
-def load_tile(
-    rows_ptr,
-    codes_ptr,
-    scale_ptr,
-    zero_ptr,
-    ps_rows,
-    ps_codes,
-    ps_scale,
-    ps_zero,
-    page,
-    slots,
-    valid,
-    D: tl.constexpr,
-    DP: tl.constexpr,
-    BITS: tl.constexpr,
-    W: tl.constexpr,
-    G: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    OUT: tl.constexpr,
-    INTERP: tl.constexpr,
-):
-    """:func:`load_meta` then :func:`load_rows` for one tile."""
-    s, z = load_meta(scale_ptr, zero_ptr, ps_scale, ps_zero, page, slots, valid, D, DP, BITS, G, BLOCK_N)
-    return load_rows(rows_ptr, codes_ptr, ps_rows, ps_codes, page, slots, valid, s, z, D, DP, BITS, W, G, BLOCK_N,
-                     OUT, INTERP)  # fmt: skip
 
 
 @triton.jit

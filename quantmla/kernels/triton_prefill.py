@@ -24,7 +24,8 @@ from quantmla.kernels._tiles import (
     anchor,
     container_bits,
     dot,
-    load_tile,
+    load_meta,
+    load_rows,
     padded,
     region_args,
     tl_dtype,
@@ -145,14 +146,12 @@ def _prefill_kernel(
         if QUANT:  # the stored copies of the same keys, and the per-pair choice
             page = tl.load(BT + b * stride_bt + k0 // PAGE_SIZE).to(tl.int64)
             slots = k0 % PAGE_SIZE + tl.arange(0, BLOCK_N)
-            hc = load_tile(
-                CRows, CCodes, CScale, CZero, ps_crows, ps_ccodes, ps_cscale, ps_czero,
-                page, slots, jv, DC, DCP, C_BITS, C_W, G, BLOCK_N, KV, INTERP,
-            )  # fmt: skip
-            hr = load_tile(
-                RRows, RCodes, RScale, RZero, ps_rrows, ps_rcodes, ps_rscale, ps_rzero,
-                page, slots, jv, DR, DR, R_BITS, R_W, G, BLOCK_N, KV, INTERP,
-            )  # fmt: skip
+            sc, zc = load_meta(CScale, CZero, ps_cscale, ps_czero, page, slots, jv, DC, DCP, C_BITS, G, BLOCK_N)
+            hc = load_rows(CRows, CCodes, ps_crows, ps_ccodes, page, slots, jv, sc, zc,
+                           DC, DCP, C_BITS, C_W, G, BLOCK_N, KV, INTERP)  # fmt: skip
+            sr, zr = load_meta(RScale, RZero, ps_rscale, ps_rzero, page, slots, jv, DR, DR, R_BITS, G, BLOCK_N)
+            hr = load_rows(RRows, RCodes, ps_rrows, ps_rcodes, page, slots, jv, sr, zr,
+                           DR, DR, R_BITS, R_W, G, BLOCK_N, KV, INTERP)  # fmt: skip
             if C_BITS < 16:
                 hc = anchor(hc, INTERP)
             keep = (j[None, :] < SINK) | (j[None, :] > tq[:, None] - RECENT)
