@@ -78,7 +78,12 @@ class LatentAttention(nn.Module):
         q_lat = self.mla.absorb(q_nope)
         if isinstance(cache, LatentCache):
             n, L = C.shape[2], cache.get_seq_length(self.layer_idx) + C.shape[2]
-            valid = key_validity(attention_mask, C.shape[0], n, L, C.device)
+            # every layer of a step gets the same mask: check it once (each check reads the device)
+            memo = cache.step_validity
+            if memo is None or memo[0] is not attention_mask or memo[1] != (C.shape[0], n, L):
+                valid = key_validity(attention_mask, C.shape[0], n, L, C.device)
+                memo = cache.step_validity = (attention_mask, (C.shape[0], n, L), valid)
+            valid = memo[2]
             o_lat = cache.attend(self.layer_idx, self.spec, q_lat, q_pe, C, K_P, valid, self.mla.tau, self.backend)
             return self.mla.output(o_lat), None
         if cache is not None:

@@ -94,6 +94,18 @@ class LatentCache(Cache):
         self.block_table: torch.Tensor | None = None
         self.capacity = 0
         self.batch_hint = batch_size
+        # Facts of the current step that every layer shares, computed by the first layer that
+        # needs them (each computation reads the device back): (mask, shape, key validity) and
+        # (key validity, n, per-request counts of new tokens).
+        self.step_validity: tuple | None = None
+        self._step_counts: tuple | None = None
+        self._rows: torch.Tensor | None = None
+
+    def reset(self) -> None:
+        """Empty the cache for a new batch (every layer's pages go; the page numbering restarts)."""
+        super().reset()
+        self.pages, self.next_page, self.block_table = [], 0, None
+        self.step_validity = self._step_counts = None
 
     # ----- page allocation (shared by all layers) ----------------------------------------------
     def _ensure_pages(self, lengths: list[int], device) -> None:
@@ -140,7 +152,7 @@ class LatentCache(Cache):
         if len(layer.lengths) != B:
             raise ValueError(f"the cache holds {len(layer.lengths)} requests but the batch has {B}")
         new_valid = key_valid[:, -n:] if key_valid is not None else torch.ones(B, n, dtype=torch.bool, device=C.device)
-        counts = new_valid.sum(1).tolist()
+        counts = self._new_counts(key_valid, new_valid)
         before = list(layer.lengths)
         after = [a + c for a, c in zip(before, counts)]
         self._ensure_pages(after, C.device)
@@ -151,20 +163,44 @@ class LatentCache(Cache):
         if n > 1 and not any(before):
             o = self._prefill(layer, spec, q_lat, q_pe, C, K_P, new_valid, counts, tau, backend)
         else:
+            # Token by token; the cache built the block table and knows every length on the host,
+            # so the core's device-reading checks are skipped and the longest length is passed in.
+            dense = all(c == n for c in counts)  # no padding among the new tokens (every decode step)
+            config = {"max_len": max(after, default=0)}
             outs = []
             for i in range(n):
                 v = new_valid[:, i]
-                rows = v.nonzero().squeeze(1)
-                lens = layer.lengths_dev + v.long()
-                kernels.write(
-                    paged, bt, C[rows, i], K_P[rows, i], rows.to(torch.int32), layer.lengths_dev[rows], lens, backend
-                )
+                if dense:
+                    rows, pos, lens = self._all_rows(B, C.device), layer.lengths_dev, layer.lengths_dev + 1
+                    C_i, K_i = C[:, i], K_P[:, i]
+                else:
+                    r = v.nonzero().squeeze(1)
+                    rows, pos, lens = r.to(torch.int32), layer.lengths_dev[r], layer.lengths_dev + v.long()
+                    C_i, K_i = C[r, i], K_P[r, i]
+                kernels.write(paged, bt, C_i, K_i, rows, pos, lens, backend, validate=False)
                 layer.lengths_dev = lens
-                o_i, _ = kernels.decode(paged, bt, lens, q_lat[:, :, i], q_pe[:, :, i], tau, backend)
-                outs.append(o_i * v[:, None, None])
+                o_i, _ = kernels.decode(
+                    paged, bt, lens, q_lat[:, :, i], q_pe[:, :, i], tau, backend, config=config, validate=False
+                )
+                outs.append(o_i if dense else o_i * v[:, None, None])
             o = torch.stack(outs, 2)
         layer.lengths = after
         return o
+
+    def _new_counts(self, key_valid, new_valid) -> list[int]:
+        """New real tokens per request; read back once per step (the layers share ``key_valid``)."""
+        n = new_valid.shape[1]
+        if key_valid is None:
+            return [n] * new_valid.shape[0]
+        memo = self._step_counts
+        if memo is None or memo[0] is not key_valid or memo[1] != n:
+            memo = self._step_counts = (key_valid, n, new_valid.sum(1).tolist())
+        return memo[2]
+
+    def _all_rows(self, B: int, device) -> torch.Tensor:
+        if self._rows is None or self._rows.shape[0] != B or self._rows.device != device:
+            self._rows = torch.arange(B, dtype=torch.int32, device=device)
+        return self._rows
 
     def _prefill(self, layer, spec, q_lat, q_pe, C, K_P, new_valid, counts, tau, backend):
         B, n = new_valid.shape
@@ -172,7 +208,9 @@ class LatentCache(Cache):
         kv_len = torch.tensor(counts, dtype=torch.int64, device=dev)
         pos = (new_valid.cumsum(1) - 1)[new_valid]
         req = torch.arange(B, device=dev).unsqueeze(1).expand(B, n)[new_valid].to(torch.int32)
-        kernels.write(layer.paged, self.block_table, C[new_valid], K_P[new_valid], req, pos, kv_len, backend)
+        kernels.write(
+            layer.paged, self.block_table, C[new_valid], K_P[new_valid], req, pos, kv_len, backend, validate=False
+        )
         layer.lengths_dev = kv_len.clone()
         sink, recent = (spec.sink, spec.recent) if spec.protect else (0, 0)
         if not spec.quantized:

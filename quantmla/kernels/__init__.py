@@ -102,22 +102,27 @@ def _check_queries(q_lat, q_pe, fmt_or_dims) -> None:
         )
 
 
-def write(layer: PagedLayer, block_table, C, K_P, req, pos, lens_after, backend: str = "auto") -> None:
+def write(
+    layer: PagedLayer, block_table, C, K_P, req, pos, lens_after, backend: str = "auto", validate: bool = True
+) -> None:
     """Quantize, pack and store tokens into ``layer``: C (T, d_c), K_P (T, d_r) in the cache dtype,
     ``req`` (T,) request of each token, ``pos`` (T,) its token index, ``lens_after`` (B,) each
-    request's length once these tokens are in. See :func:`quantmla.kernels.reference.write`."""
+    request's length once these tokens are in. See :func:`quantmla.kernels.reference.write`.
+    ``validate=False`` skips the checks that read indices back from the device (page numbers,
+    lengths, positions): for callers whose tables are valid by construction, such as the
+    paged generation cache, so that a decode step does not wait for the GPU once per layer."""
     fmt = layer.fmt
     _same_device(layer.pool, block_table, C, K_P, req, pos, lens_after)
     _check_rows("C", C, fmt.d_c, fmt.dtype)
     _check_rows("K_P", K_P, fmt.d_r, fmt.dtype)
     if C.dim() != 2 or K_P.shape[0] != C.shape[0] or req.shape != (C.shape[0],) or pos.shape != (C.shape[0],):
         raise ValueError("write takes C (T, d_c), K_P (T, d_r), req (T,) and pos (T,)")
-    check_block_table(block_table, lens_after, layer.num_pages, block_table.shape[0])
+    check_block_table(block_table, lens_after, layer.num_pages, block_table.shape[0], values=validate)
     if layer.prot is not None and layer.prot.shape[0] < block_table.shape[0]:
         raise ValueError(
             f"protection buffers hold {layer.prot.shape[0]} requests, the block table {block_table.shape[0]}"
         )
-    if C.shape[0] and int(pos.max()) >= int(lens_after.max()):
+    if validate and C.shape[0] and int(pos.max()) >= int(lens_after.max()):
         raise ValueError("a token index is not below its request's length after the write")
     C, K_P = C.contiguous(), K_P.contiguous()
     _impl(backend, C.device, "write", dtype=fmt.dtype)(layer, block_table, C, K_P, req, pos, lens_after)
@@ -159,12 +164,23 @@ def _check_config(config, keys: dict, what: str) -> None:
 
 
 def decode(
-    layer: PagedLayer, block_table, lengths, q_lat, q_pe, tau: float, backend: str = "auto", config=None, out=None
+    layer: PagedLayer,
+    block_table,
+    lengths,
+    q_lat,
+    q_pe,
+    tau: float,
+    backend: str = "auto",
+    config=None,
+    out=None,
+    validate: bool = True,
 ):
     """Decode attention: (o_lat (B, H, d_c), lse (B, H)) float32 for q_lat (B, H, d_c), q_pe (B, H, d_r)
     over each request's ``lengths[b]`` cached tokens (into ``out`` when given). ``config``
     overrides the kernel's tile/split choice (keys: :data:`DECODE_CONFIG`; the defaults are
-    the tuned table of :mod:`~quantmla.kernels.triton_decode`).
+    the tuned table of :mod:`~quantmla.kernels.triton_decode`). ``validate=False`` skips the
+    block-table checks that read the device, as in :func:`write`; with ``config["max_len"]``
+    given too, the call does not wait for the GPU.
     See :func:`quantmla.kernels.reference.decode`."""
     _check_config(config, DECODE_CONFIG, "decode")
     fmt = layer.fmt
@@ -172,7 +188,7 @@ def decode(
     _check_queries(q_lat, q_pe, (fmt.d_c, fmt.d_r))
     if q_lat.dim() != 3 or q_lat.shape[1] < 1:
         raise ValueError(f"decode takes q_lat (B, H, d_c) with H >= 1, got {tuple(q_lat.shape)}")
-    check_block_table(block_table, lengths, layer.num_pages, q_lat.shape[0])
+    check_block_table(block_table, lengths, layer.num_pages, q_lat.shape[0], values=validate)
     if layer.prot is not None and layer.prot.shape[0] < q_lat.shape[0]:
         raise ValueError(f"protection buffers hold {layer.prot.shape[0]} requests, the batch is {q_lat.shape[0]}")
     B, H = q_lat.shape[:2]

@@ -213,8 +213,12 @@ class PagedLayer:
         self.views = self._views(pool)
 
 
-def check_block_table(block_table: torch.Tensor, lengths: torch.Tensor, num_pages: int, batch: int) -> None:
-    """Clear errors for a block table the kernels cannot use (checked on the host, before launch)."""
+def check_block_table(
+    block_table: torch.Tensor, lengths: torch.Tensor, num_pages: int, batch: int, values: bool = True
+) -> None:
+    """Clear errors for a block table the kernels cannot use (checked on the host, before launch).
+    ``values=False`` checks dtypes and shapes only: the lengths and page numbers are then not
+    read back from the device (each read waits for the GPU to drain its queue)."""
     if block_table.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"block table must be int32 or int64, got {block_table.dtype}")
     if lengths.dtype not in (torch.int32, torch.int64):
@@ -223,7 +227,7 @@ def check_block_table(block_table: torch.Tensor, lengths: torch.Tensor, num_page
         raise ValueError(f"block table must be (batch={batch}, pages), got {tuple(block_table.shape)}")
     if lengths.shape != (batch,):
         raise ValueError(f"lengths must be ({batch},), got {tuple(lengths.shape)}")
-    if batch == 0:
+    if batch == 0 or not values:
         return
     lens = lengths.to("cpu", torch.int64)
     if int(lens.min()) < 0:
