@@ -25,6 +25,7 @@ import warnings
 from pathlib import Path
 
 import torch
+import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -118,6 +119,7 @@ def main(argv=None) -> None:
     props = torch.cuda.get_device_properties(DEV)
     meta = run_meta(props, stamp, "python bench/generate.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     meta["timing"] = "wall clock of model.generate, median of repeats after a warm-up, synchronised"
+    meta["transformers"] = transformers.__version__
     meta["shape"] = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "vocab", "batch", "prompt", "new")}
     model = build(args.layers, args.hidden, args.heads, args.vocab)
     ids = torch.randint(

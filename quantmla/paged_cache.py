@@ -151,8 +151,8 @@ class LatentCache(Cache):
         layer = self._layer(layer_idx, spec, C, K_P)
         if len(layer.lengths) != B:
             raise ValueError(f"the cache holds {len(layer.lengths)} requests but the batch has {B}")
-        new_valid = key_valid[:, -n:] if key_valid is not None else torch.ones(B, n, dtype=torch.bool, device=C.device)
-        counts = self._new_counts(key_valid, new_valid)
+        new_valid = key_valid[:, -n:] if key_valid is not None else None  # None: all are real
+        counts = [n] * B if new_valid is None else self._new_counts(key_valid, new_valid)
         before = list(layer.lengths)
         after = [a + c for a, c in zip(before, counts)]
         self._ensure_pages(after, C.device)
@@ -161,6 +161,8 @@ class LatentCache(Cache):
         paged, bt = layer.paged, self.block_table
         layer.columns += n
         if n > 1 and not any(before):
+            if new_valid is None:
+                new_valid = torch.ones(B, n, dtype=torch.bool, device=C.device)
             o = self._prefill(layer, spec, q_lat, q_pe, C, K_P, new_valid, counts, tau, backend)
         else:
             # Token by token; the cache built the block table and knows every length on the host,
@@ -169,11 +171,11 @@ class LatentCache(Cache):
             config = {"max_len": max(after, default=0)}
             outs = []
             for i in range(n):
-                v = new_valid[:, i]
                 if dense:
                     rows, pos, lens = self._all_rows(B, C.device), layer.lengths_dev, layer.lengths_dev + 1
                     C_i, K_i = C[:, i], K_P[:, i]
                 else:
+                    v = new_valid[:, i]
                     r = v.nonzero().squeeze(1)
                     rows, pos, lens = r.to(torch.int32), layer.lengths_dev[r], layer.lengths_dev + v.long()
                     C_i, K_i = C[r, i], K_P[r, i]
@@ -183,15 +185,13 @@ class LatentCache(Cache):
                     paged, bt, lens, q_lat[:, :, i], q_pe[:, :, i], tau, backend, config=config, validate=False
                 )
                 outs.append(o_i if dense else o_i * v[:, None, None])
-            o = torch.stack(outs, 2)
+            o = outs[0].unsqueeze(2) if n == 1 else torch.stack(outs, 2)
         layer.lengths = after
         return o
 
     def _new_counts(self, key_valid, new_valid) -> list[int]:
         """New real tokens per request; read back once per step (the layers share ``key_valid``)."""
         n = new_valid.shape[1]
-        if key_valid is None:
-            return [n] * new_valid.shape[0]
         memo = self._step_counts
         if memo is None or memo[0] is not key_valid or memo[1] != n:
             memo = self._step_counts = (key_valid, n, new_valid.sum(1).tolist())
