@@ -182,11 +182,13 @@ def _prefill_kernel(
 
 
 def default_config(H: int, n: int, fmt, quantized: bool) -> dict:
-    """Tiles for the teacher-forced kernel (from the compiler's register report on sm_90: the quantized
-    variant keeps two key tiles live, so it takes narrower key tiles)."""
+    """Tiles for the teacher-forced kernel: the fastest of ``bench/prefill.py --tune`` on the H200 for
+    every format (32 rows × 64 keys, 8 warps; 64-row tiles of 64 keys exceed shared memory). The
+    quantized variant keeps both key tiles live; 16-key tiles, taken earlier for its registers,
+    ran it 4–5× slower (bench/NOTES.md, "Teacher-forced tiles")."""
     if INTERPRET:
         return dict(block_m=64, block_n=64, num_warps=4, num_stages=1)
-    return dict(block_m=32, block_n=16 if quantized else 32, num_warps=8, num_stages=2)
+    return dict(block_m=32, block_n=64, num_warps=8, num_stages=2)
 
 
 def prefill(
