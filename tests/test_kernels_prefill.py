@@ -19,6 +19,10 @@ CASES = [
     (4, 4, 16, 128, [70, 64], [70, 64], 0, 0),  # quantized, unprotected
     (3, 4, 128, 128, [40, 21], [12, 21], 4, 16),
     (4, 4, 9, 384, [90, 40], [90, 17], 4, 16),  # a latent width that is not a power of two
+    # long prompts, short window: key tiles with every pair, no pair and some pairs protected
+    # (recent 18 and 15 put a block's first or last query exactly one key off a tile's edge)
+    (4, 4, 16, 128, [300, 190], [300, 150], 4, 18),
+    (2, 4, 16, 64, [260], [260], 0, 15),
 ]
 
 

@@ -9,7 +9,9 @@ under one softmax::
 
 so log-likelihoods see exactly what token-by-token decoding would. All H heads share the
 latent keys, so a program takes a block of rows (query, head) — ``BLOCK_M`` of them, query
-major — and each key tile is read and dequantized once for all of them. Grid
+major — and each key tile is read and dequantized once for all of them. Key tiles with no
+protected pair for any query of the block (most tiles of a long prompt) take the stored rows
+alone; the sink's tile and the band behind the queries take both and choose per pair. Grid
 ``(row blocks, batch)``.
 """
 
@@ -42,6 +44,65 @@ def _pv(p, x, acc, PV_SPLIT: tl.constexpr, IEEE: tl.constexpr, KV: tl.constexpr,
         return dot((p - p_hi.to(tl.float32)).to(KV), x, acc, IEEE, INTERP)
     else:
         return dot(p.to(KV), x, acc, IEEE, INTERP)
+
+
+@triton.jit
+def _tile(q, qpe, m_i, l_i, acc, k0, b, kv_len, tq, live, qk_scale, C, KP, stride_cb, stride_cl, stride_kb, stride_kl,
+          BT, stride_bt, CRows, CCodes, CScale, CZero, ps_crows, ps_ccodes, ps_cscale, ps_czero,
+          RRows, RCodes, RScale, RZero, ps_rrows, ps_rcodes, ps_rscale, ps_rzero,
+          DC: tl.constexpr, DCP: tl.constexpr, DR: tl.constexpr, G: tl.constexpr, C_BITS: tl.constexpr,
+          R_BITS: tl.constexpr, C_W: tl.constexpr, R_W: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
+          PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PV_SPLIT: tl.constexpr,
+          IEEE: tl.constexpr, KV: tl.constexpr, INTERP: tl.constexpr, MODE: tl.constexpr):  # fmt: skip
+    """One key tile k0 .. k0 + BLOCK_N into the block's online softmax. MODE 0: the rows as given
+    (16-bit cache); 1: the rows as given and the stored rows, chosen per pair by the protection
+    rule; 2: the stored rows alone (the caller knows no pair of this tile is protected)."""
+    j = k0 + tl.arange(0, BLOCK_N)
+    jv = j < kv_len
+    dc = tl.arange(0, DCP)
+    dr = tl.arange(0, DR)
+    if MODE != 2:
+        xc = tl.load(
+            C + b * stride_cb + j[:, None] * stride_cl + dc[None, :], mask=jv[:, None] & (dc[None, :] < DC), other=0.0
+        )
+        xr = tl.load(KP + b * stride_kb + j[:, None] * stride_kl + dr[None, :], mask=jv[:, None], other=0.0)
+        s = dot(q, tl.trans(xc), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE, INTERP)
+        s = dot(qpe, tl.trans(xr), s, IEEE, INTERP)
+    if MODE != 0:  # the stored copies of the same keys
+        page = tl.load(BT + b * stride_bt + k0 // PAGE_SIZE).to(tl.int64)
+        slots = k0 % PAGE_SIZE + tl.arange(0, BLOCK_N)
+        sc, zc = load_meta(CScale, CZero, ps_cscale, ps_czero, page, slots, jv, DC, DCP, C_BITS, G, BLOCK_N)
+        hc = load_rows(CRows, CCodes, ps_crows, ps_ccodes, page, slots, jv, sc, zc,
+                       DC, DCP, C_BITS, C_W, G, BLOCK_N, KV, INTERP)  # fmt: skip
+        sr, zr = load_meta(RScale, RZero, ps_rscale, ps_rzero, page, slots, jv, DR, DR, R_BITS, G, BLOCK_N)
+        hr = load_rows(RRows, RCodes, ps_rrows, ps_rcodes, page, slots, jv, sr, zr,
+                       DR, DR, R_BITS, R_W, G, BLOCK_N, KV, INTERP)  # fmt: skip
+        if C_BITS < 16:
+            hc = anchor(hc, INTERP)
+        sh = dot(q, tl.trans(hc), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE, INTERP)
+        sh = dot(qpe, tl.trans(hr), sh, IEEE, INTERP)
+    if MODE == 1:
+        keep = (j[None, :] < SINK) | (j[None, :] > tq[:, None] - RECENT)
+        s = tl.where(keep, s, sh)
+    elif MODE == 2:
+        s = sh
+    ok = jv[None, :] & (j[None, :] <= tq[:, None]) & live[:, None]
+    s = tl.where(ok, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if MODE == 0:
+        acc = _pv(p, xc, acc, PV_SPLIT, IEEE, KV, INTERP)
+    elif MODE == 1:
+        pk = tl.where(keep, p, 0.0)
+        acc = _pv(pk, xc, acc, PV_SPLIT, IEEE, KV, INTERP)
+        acc = _pv(p - pk, hc, acc, PV_SPLIT, IEEE, KV, INTERP)
+    else:
+        acc = _pv(p, hc, acc, PV_SPLIT, IEEE, KV, INTERP)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -135,43 +196,38 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, DCP], tl.float32)
     t_max = tl.max(tl.where(live, tq, -1))
     n_keys = tl.minimum(t_max + 1, kv_len)
-    for k0 in range(0, n_keys, BLOCK_N):
-        j = k0 + tl.arange(0, BLOCK_N)
-        jv = j < kv_len
-        xc = tl.load(C + b * stride_cb + j[:, None] * stride_cl + dc[None, :], mask=jv[:, None] & dcm, other=0.0)
-        xr = tl.load(KP + b * stride_kb + j[:, None] * stride_kl + dr[None, :], mask=jv[:, None], other=0.0)
-        s = dot(q, tl.trans(xc), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE, INTERP)
-        s = dot(qpe, tl.trans(xr), s, IEEE, INTERP)
-        ok = jv[None, :] & (j[None, :] <= tq[:, None]) & live[:, None]
-        if QUANT:  # the stored copies of the same keys, and the per-pair choice
-            page = tl.load(BT + b * stride_bt + k0 // PAGE_SIZE).to(tl.int64)
-            slots = k0 % PAGE_SIZE + tl.arange(0, BLOCK_N)
-            sc, zc = load_meta(CScale, CZero, ps_cscale, ps_czero, page, slots, jv, DC, DCP, C_BITS, G, BLOCK_N)
-            hc = load_rows(CRows, CCodes, ps_crows, ps_ccodes, page, slots, jv, sc, zc,
-                           DC, DCP, C_BITS, C_W, G, BLOCK_N, KV, INTERP)  # fmt: skip
-            sr, zr = load_meta(RScale, RZero, ps_rscale, ps_rzero, page, slots, jv, DR, DR, R_BITS, G, BLOCK_N)
-            hr = load_rows(RRows, RCodes, ps_rrows, ps_rcodes, page, slots, jv, sr, zr,
-                           DR, DR, R_BITS, R_W, G, BLOCK_N, KV, INTERP)  # fmt: skip
-            if C_BITS < 16:
-                hc = anchor(hc, INTERP)
-            keep = (j[None, :] < SINK) | (j[None, :] > tq[:, None] - RECENT)
-            sh = dot(q, tl.trans(hc), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE, INTERP)
-            sh = dot(qpe, tl.trans(hr), sh, IEEE, INTERP)
-            s = tl.where(keep, s, sh)
-        s = tl.where(ok, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if QUANT:
-            pk = tl.where(keep, p, 0.0)
-            acc = _pv(pk, xc, acc, PV_SPLIT, IEEE, KV, INTERP)
-            acc = _pv(p - pk, hc, acc, PV_SPLIT, IEEE, KV, INTERP)
-        else:
-            acc = _pv(p, xc, acc, PV_SPLIT, IEEE, KV, INTERP)
-        m_i = m_new
+    if QUANT:
+        # Key tiles [lo, hi) have no protected pair with any query of this block (past the sink,
+        # at least RECENT keys behind the earliest query): they take the stored rows alone.
+        # The others (the sink's tile, the band behind the queries) choose per pair.
+        lo: tl.constexpr = (SINK + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        t_min = tl.min(tl.where(live, tq, kv_len))
+        hi = tl.maximum(tl.minimum(tl.maximum(t_min - RECENT + 1, 0) // BLOCK_N * BLOCK_N, n_keys), lo)
+        for k0 in range(0, tl.minimum(lo, n_keys), BLOCK_N):
+            m_i, l_i, acc = _tile(q, qpe, m_i, l_i, acc, k0, b, kv_len, tq, live, qk_scale, C, KP, stride_cb,
+                                  stride_cl, stride_kb, stride_kl, BT, stride_bt, CRows, CCodes, CScale, CZero,
+                                  ps_crows, ps_ccodes, ps_cscale, ps_czero, RRows, RCodes, RScale, RZero, ps_rrows,
+                                  ps_rcodes, ps_rscale, ps_rzero, DC, DCP, DR, G, C_BITS, R_BITS, C_W, R_W, SINK,
+                                  RECENT, PAGE_SIZE, BLOCK_M, BLOCK_N, PV_SPLIT, IEEE, KV, INTERP, 1)  # fmt: skip
+        for k0 in range(lo, hi, BLOCK_N):
+            m_i, l_i, acc = _tile(q, qpe, m_i, l_i, acc, k0, b, kv_len, tq, live, qk_scale, C, KP, stride_cb,
+                                  stride_cl, stride_kb, stride_kl, BT, stride_bt, CRows, CCodes, CScale, CZero,
+                                  ps_crows, ps_ccodes, ps_cscale, ps_czero, RRows, RCodes, RScale, RZero, ps_rrows,
+                                  ps_rcodes, ps_rscale, ps_rzero, DC, DCP, DR, G, C_BITS, R_BITS, C_W, R_W, SINK,
+                                  RECENT, PAGE_SIZE, BLOCK_M, BLOCK_N, PV_SPLIT, IEEE, KV, INTERP, 2)  # fmt: skip
+        for k0 in range(hi, n_keys, BLOCK_N):
+            m_i, l_i, acc = _tile(q, qpe, m_i, l_i, acc, k0, b, kv_len, tq, live, qk_scale, C, KP, stride_cb,
+                                  stride_cl, stride_kb, stride_kl, BT, stride_bt, CRows, CCodes, CScale, CZero,
+                                  ps_crows, ps_ccodes, ps_cscale, ps_czero, RRows, RCodes, RScale, RZero, ps_rrows,
+                                  ps_rcodes, ps_rscale, ps_rzero, DC, DCP, DR, G, C_BITS, R_BITS, C_W, R_W, SINK,
+                                  RECENT, PAGE_SIZE, BLOCK_M, BLOCK_N, PV_SPLIT, IEEE, KV, INTERP, 1)  # fmt: skip
+    else:
+        for k0 in range(0, n_keys, BLOCK_N):
+            m_i, l_i, acc = _tile(q, qpe, m_i, l_i, acc, k0, b, kv_len, tq, live, qk_scale, C, KP, stride_cb,
+                                  stride_cl, stride_kb, stride_kl, BT, stride_bt, CRows, CCodes, CScale, CZero,
+                                  ps_crows, ps_ccodes, ps_cscale, ps_czero, RRows, RCodes, RScale, RZero, ps_rrows,
+                                  ps_rcodes, ps_rscale, ps_rzero, DC, DCP, DR, G, C_BITS, R_BITS, C_W, R_W, SINK,
+                                  RECENT, PAGE_SIZE, BLOCK_M, BLOCK_N, PV_SPLIT, IEEE, KV, INTERP, 0)  # fmt: skip
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
