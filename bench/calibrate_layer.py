@@ -32,7 +32,7 @@ from quantmla.cache import CacheSpec
 from quantmla.data import CalibrationData
 from quantmla.methods import MethodContext
 from quantmla.methods.quantmla import QuantMLA, QuantMLAConfig
-from quantmla.models.tiny import build, tiny_config
+from quantmla.models.tiny import build, lite_config
 
 
 def main() -> None:
@@ -45,18 +45,7 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     seq, train, heldout, steps = (128, 8, 4, 4) if args.quick else (2048, 128, 32, 300)
-    cfg = tiny_config(
-        layers=1,
-        hidden=2048,
-        heads=16,
-        kv_lora_rank=512,
-        q_lora_rank=None,
-        qk_rope_head_dim=64,
-        qk_nope_head_dim=128,
-        v_head_dim=128,
-        max_position_embeddings=4096,
-        initializer_range=0.02,
-    )
+    cfg = lite_config(layers=1)
     t0 = time.perf_counter()
     model, tok = build(cfg, seed=0, dtype=dtype)
     model = model.to(device)

@@ -34,23 +34,13 @@ from decode import run_meta, write_record  # noqa: E402
 
 from quantmla import attention  # noqa: E402
 from quantmla.cache import CacheSpec  # noqa: E402
-from quantmla.models.tiny import tiny_config  # noqa: E402
+from quantmla.models.tiny import lite_config  # noqa: E402
 
 DEV = torch.device("cuda")
 
 
 def build(layers: int, hidden: int, heads: int, vocab: int, seed: int = 0):
-    config = tiny_config(
-        vocab_size=vocab,
-        layers=layers,
-        hidden=hidden,
-        heads=heads,
-        kv_lora_rank=512,
-        qk_rope_head_dim=64,
-        qk_nope_head_dim=128,
-        v_head_dim=128,
-        initializer_range=0.02,
-    )
+    config = lite_config(layers=layers, hidden=hidden, heads=heads, vocab_size=vocab)
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)

@@ -65,6 +65,13 @@ def tiny_config(
     )
 
 
+def lite_config(layers: int = 1, **kw) -> DeepseekV2Config:
+    """A random config with DeepSeek-V2-Lite's attention shapes (hidden 2048, 16 heads, d_c 512,
+    d_r 64, d_nope = d_v = 128, no q-LoRA) and dense MLPs: the benchmarks' full-size layer."""
+    shapes = dict(hidden=2048, heads=16, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
+    return tiny_config(layers=layers, initializer_range=0.02, **(shapes | kw))
+
+
 FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
 
 
