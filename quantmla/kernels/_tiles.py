@@ -254,8 +254,21 @@ def load_rows(
             KG: tl.constexpr = G * W // 8  # bytes per group
             g = tl.arange(0, NGP)
             kb = tl.arange(0, KG)
-            off = slots[:, None, None] * PB + g[None, :, None] * KG + kb[None, None, :]
-            b = tl.load((codes_ptr + page * ps_codes) + off, mask=g[None, :, None] < NG, other=0)
+            if NGP == 1:
+                off = slots[:, None, None] * PB + g[None, :, None] * KG + kb[None, None, :]
+                b = tl.load((codes_ptr + page * ps_codes) + off, mask=g[None, :, None] < NG, other=0)
+            else:
+                # The compiler stages the tile in shared memory in the order of the loaded
+                # shape and reads it back with one thread per token and group. Loaded as
+                # (token, group, byte), a warp's 16 tokens sat a 256-byte row apart there, on
+                # the same banks (16-way conflicts); loaded as (group, token·byte) they sit
+                # KG bytes apart, and the view back to (token, group, byte) moves no data.
+                j = tl.arange(0, BLOCK_N * KG)
+                tok = tl.reshape(tl.broadcast_to(slots[:, None], (BLOCK_N, KG)), (BLOCK_N * KG,))
+                off = g[:, None] * KG + (tok * PB + j % KG)[None, :]
+                off = tl.max_contiguous(tl.multiple_of(off, (1, KG)), (1, KG))
+                b = tl.load((codes_ptr + page * ps_codes) + off, mask=g[:, None] < NG, other=0)
+                b = tl.permute(tl.reshape(b, (NGP, BLOCK_N, KG)), (1, 0, 2))
             x = dequant_bf16(b, s[:, :, None], z[:, :, None], W, INTERP)
             return tl.reshape(x, (BLOCK_N, DP))
         else:
