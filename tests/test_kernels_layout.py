@@ -35,6 +35,19 @@ def test_views_alias_the_pool():
     assert layer.prot.shape == (2, 132, 576) and layer.prot.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("cb, per_group", [(4, 32), (2, 16)])
+def test_codes_are_group_major_in_a_page(cb, per_group):
+    """Byte k of group g of slot s sits at g·64·per_group + s·per_group + k of the codes region."""
+    layer = PagedLayer(PageFormat(cb, 4), 2, DEVICE)
+    layer.pool.zero_()
+    codes = layer.views["C_codes"]
+    assert codes.shape == (2, 64, 8, per_group)
+    codes[1, 5, 3, 7] = 201
+    off = layer.fmt.regions["C_codes"].offset + 3 * 64 * per_group + 5 * per_group + 7
+    assert layer.pool[1, off].item() == 201 and int(layer.pool.sum()) == 201
+    assert layer.views["R_codes"].shape == (2, 64, 1, 32)  # a single group: rows as before
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

@@ -26,8 +26,11 @@ import os
 import triton
 import triton.language as tl
 
+from quantmla.kernels.layout import PAGE
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
+PAGE_TOKENS = tl.constexpr(PAGE)  # tokens per page; a codes region is group-major (layout.py)
 MAGIC_INT = 0x4B000000  # float32 bit pattern of 2^23
 TWO23 = 8388608.0
 ROUND_MAGIC = 12582912.0  # 1.5 * 2^23
@@ -250,22 +253,23 @@ def load_rows(
         PB: tl.constexpr = D * W // 8
         NG: tl.constexpr = D // G
         NGP: tl.constexpr = DP // G
+        KG: tl.constexpr = G * W // 8  # bytes per group and token
         if OUT == tl.bfloat16 and (W == 4 or (W == 2 and s.dtype == tl.bfloat16)):
-            KG: tl.constexpr = G * W // 8  # bytes per group
             g = tl.arange(0, NGP)
             kb = tl.arange(0, KG)
             if NGP == 1:
-                off = slots[:, None, None] * PB + g[None, :, None] * KG + kb[None, None, :]
+                off = slots[:, None, None] * KG + kb[None, None, :]
                 b = tl.load((codes_ptr + page * ps_codes) + off, mask=g[None, :, None] < NG, other=0)
             else:
                 # The compiler stages the tile in shared memory in the order of the loaded
                 # shape and reads it back with one thread per token and group. Loaded as
                 # (token, group, byte), a warp's 16 tokens sat a 256-byte row apart there, on
                 # the same banks (16-way conflicts); loaded as (group, token·byte) they sit
-                # KG bytes apart, and the view back to (token, group, byte) moves no data.
+                # KG bytes apart, as in the page (codes are group-major), and the view back
+                # to (token, group, byte) moves no data.
                 j = tl.arange(0, BLOCK_N * KG)
                 tok = tl.reshape(tl.broadcast_to(slots[:, None], (BLOCK_N, KG)), (BLOCK_N * KG,))
-                off = g[:, None] * KG + (tok * PB + j % KG)[None, :]
+                off = g[:, None] * (PAGE_TOKENS * KG) + (tok * KG + j % KG)[None, :]
                 off = tl.max_contiguous(tl.multiple_of(off, (1, KG)), (1, KG))
                 b = tl.load((codes_ptr + page * ps_codes) + off, mask=g[:, None] < NG, other=0)
                 b = tl.permute(tl.reshape(b, (NGP, BLOCK_N, KG)), (1, 0, 2))
@@ -273,11 +277,8 @@ def load_rows(
             return tl.reshape(x, (BLOCK_N, DP))
         else:
             pb = tl.arange(0, DP * W // 8)
-            b = tl.load(
-                (codes_ptr + page * ps_codes) + (slots[:, None] * PB + pb[None, :]),
-                mask=valid[:, None] & (pb[None, :] < PB),
-                other=0,
-            )
+            off = (pb[None, :] // KG) * (PAGE_TOKENS * KG) + slots[:, None] * KG + pb[None, :] % KG
+            b = tl.load((codes_ptr + page * ps_codes) + off, mask=valid[:, None] & (pb[None, :] < PB), other=0)
             q = unpack_codes(b, W)
             zf = z.to(tl.float32) + 8388608.0
             q3 = tl.reshape(q, (BLOCK_N, NGP, G))
@@ -339,9 +340,14 @@ def quantize_store(
         codes = tl.reshape(q.to(tl.int32), (BLOCK_T, DP // PER, PER))
         shifts = tl.arange(0, PER) * W
         packed = tl.sum(codes << shifts[None, None, :], axis=2).to(tl.uint8)
+        KG: tl.constexpr = G // PER  # bytes per group and token: codes are group-major in a page
         cb = tl.arange(0, DP // PER)
         tl.store(
-            codes_ptr + page[:, None] * ps_codes + slot[:, None] * (D // PER) + cb[None, :],
+            codes_ptr
+            + page[:, None] * ps_codes
+            + (cb[None, :] // KG) * (PAGE_TOKENS * KG)
+            + slot[:, None] * KG
+            + cb[None, :] % KG,
             packed,
             mask=ok[:, None] & (cb[None, :] < D // PER),
         )

@@ -15,7 +15,10 @@ metadata after (the paper's kernel keeps them in separate buffers)::
 A path kept at 16 bits stores its rows in the cache dtype instead of codes and metadata
 (``C16R16`` is the plain BF16 page of 64 × 576 × 2 = 73,728 B). Codes are packed as
 :func:`quantmla.quant.pack` packs them: element ``2k`` in the low nibble, four 2-bit codes
-per byte lowest index first. 3-bit codes travel in 4-bit containers. Each page is padded
+per byte lowest index first. 3-bit codes travel in 4-bit containers. A codes region is
+group-major: the bytes of quantization group 0 of the page's 64 tokens, then those of group 1,
+and so on (64 × g·w/8 B per group), so that the codes of one group for consecutive tokens are
+consecutive bytes (a warp copying a tile then touches 4 cache lines, not 16). Each page is padded
 to a multiple of 4 KiB (a whole number of 64-byte units per token), which gives the
 paper's 20,480 B C4R4 page: 317 B of codes and metadata per token, padded to 320.
 
@@ -163,7 +166,8 @@ class PagedLayer:
     """One layer's pages (a ``uint8`` pool with typed views per region) and protection buffers.
 
     ``views[name]`` is a ``(num_pages, 64, width)`` tensor of the region's dtype aliasing the
-    pool. ``prot`` is ``(batch, sink + recent, d_c + d_r)`` in the cache dtype (None when the
+    pool, except for codes: ``(num_pages, 64, groups, bytes per group)`` over the group-major
+    bytes (``view[page, slot].flatten(-2)`` is a token's packed row). ``prot`` is ``(batch, sink + recent, d_c + d_r)`` in the cache dtype (None when the
     format is not quantized or protection is off).
     """
 
@@ -186,7 +190,11 @@ class PagedLayer:
         out = {}
         for name, r in self.fmt.regions.items():
             flat = pool[:, r.offset : r.offset + r.nbytes].view(r.dtype)
-            out[name] = flat.view(pool.shape[0], PAGE, r.width)
+            if name.endswith("_codes"):
+                groups = (self.fmt.d_c if name == "C_codes" else self.fmt.d_r) // self.fmt.group
+                out[name] = flat.view(pool.shape[0], groups, PAGE, r.width // groups).transpose(1, 2)
+            else:
+                out[name] = flat.view(pool.shape[0], PAGE, r.width)
         return out
 
     @property

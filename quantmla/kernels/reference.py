@@ -51,7 +51,8 @@ def write(layer, block_table, C, K_P, req, pos, lens_after) -> None:
             v[f"{path}_rows"][page, slot] = x.to(fmt.dtype)
             continue
         qt = quantize(x, bits, fmt.group, scale_dtype=scale_dtype)
-        v[f"{path}_codes"][page, slot] = pack(qt.codes, bits)
+        codes = v[f"{path}_codes"]
+        codes[page, slot] = pack(qt.codes, bits).view(-1, *codes.shape[2:])
         v[f"{path}_scale"][page, slot] = qt.scale
         v[f"{path}_zero"][page, slot] = qt.zero
     if layer.prot is None:
@@ -78,7 +79,7 @@ def stored_rows(layer, block_table, b: int, L: int) -> tuple[torch.Tensor, torch
             out.append(v[f"{path}_rows"][page, slot])
             continue
         qt = QTensor(
-            codes=unpack(v[f"{path}_codes"][page, slot], bits),
+            codes=unpack(v[f"{path}_codes"][page, slot].flatten(-2), bits),
             scale=v[f"{path}_scale"][page, slot],
             zero=v[f"{path}_zero"][page, slot],
             bits=bits,
