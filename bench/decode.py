@@ -231,6 +231,8 @@ CANDIDATES = {  # tile configs timed by --tune (those that spill heavily in the 
     + [dict(block_n=64, num_warps=8, num_stages=st) for st in (2, 3)]
     + [dict(block_n=bn, num_warps=4, num_stages=st) for bn in (16, 32, 64) for st in (2, 3)]
     + [dict(block_n=32, num_warps=4, num_stages=4)],
+    # (register caps, "maxnreg", for three or four programs per SM were timed with --candidates
+    # and lost everywhere: bench/NOTES.md, v11)
     128: [
         dict(block_h=bh, block_n=bn, num_warps=8, num_stages=st) for bh in (16, 32) for bn in (32, 64) for st in (2, 3)
     ]
@@ -277,8 +279,8 @@ def _warm_one(job) -> str:
         return f"FAILED {H} {name} {cfg}: {type(e).__name__}: {e}"
 
 
-def warm(heads, workers=None) -> None:
-    """Compile every kernel variant the sweep can use, in parallel processes."""
+def warm(heads, workers=None, only=None) -> None:
+    """Compile every kernel variant the sweep can use (or the tile configs ``only``), in parallel processes."""
     import concurrent.futures as cf
     import multiprocessing as mp
     import os
@@ -292,6 +294,8 @@ def warm(heads, workers=None) -> None:
         for pv in ("default", "split", "bf16")
         for cfg in candidates(H, pv) + [_pv_config(pv)]
     ]
+    if only is not None:
+        jobs = [(H, name, cfg) for H in heads for name in FORMATS for cfg in only]
     with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
         for msg in ex.map(_warm_one, jobs):
             print("warm", msg, flush=True)
@@ -341,12 +345,19 @@ def main(argv=None):
         help="P·V as the kernel chooses per head count (default), with P as a hi/lo BF16 pair (float32 "
         "accuracy), or with P as one BF16 tile (FlashMLA's choice)",
     )
+    ap.add_argument(
+        "--candidates",
+        type=json.loads,
+        default=None,
+        help="tile configs for --tune and --warm instead of the built-in list, as JSON, e.g. "
+        '\'[{"block_n": 32, "num_warps": 4, "num_stages": 2, "maxnreg": 168}]\'',
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench/decode.py needs a CUDA GPU")
     heads = [int(x) for x in args.heads.split(",")]
     if args.warm:
-        return warm(heads)
+        return warm(heads, only=args.candidates)
     gen = torch.Generator(device=DEV).manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     l2 = getattr(props, "L2_cache_size", 60 << 20)
@@ -364,7 +375,8 @@ def main(argv=None):
     if args.tune:
         for H in heads:
             for name in FORMATS:
-                best, times = tune(H, name, gen, l2, candidates(H, args.pv))
+                cands = [dict(_pv_config(args.pv), **c) for c in args.candidates] if args.candidates else None
+                best, times = tune(H, name, gen, l2, cands or candidates(H, args.pv))
                 configs[(H, name)] = best
                 tuning[f"H{H}-{name}"] = times
                 print(f"tune H={H} {name}: {times} -> {best}", flush=True)

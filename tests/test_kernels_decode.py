@@ -146,3 +146,23 @@ def test_bad_decode_inputs_raise_before_launch():
         kernels.decode(layer, bt, lens, q, qp, 0.1, "triton", dict(block_m=32), out=out)
     assert torch.isnan(out[0]).all() and torch.isnan(out[1]).all()  # nothing ran
     assert isinstance(layer, PagedLayer)
+
+
+def test_split_count_assumes_the_programs_a_register_cap_lets_an_sm_hold():
+    """65,536 registers per SM: a cap of 168 per thread fits three 4-warp programs, 128 four;
+    without one the compiler takes 255 (two 4-warp programs, one of 8 warps)."""
+    from quantmla.kernels.triton_decode import programs_per_sm
+
+    assert programs_per_sm(dict(num_warps=4, maxnreg=168)) == 3
+    assert programs_per_sm(dict(num_warps=4, maxnreg=128)) == 4
+    assert programs_per_sm(dict(num_warps=8, maxnreg=255)) == 1
+    assert programs_per_sm(dict(num_warps=4)) == 2 and programs_per_sm(dict(num_warps=8)) == 1
+
+
+def test_a_register_cap_is_a_known_decode_config_key():
+    gen = torch.Generator().manual_seed(3)
+    layer, bt, lens, _, _ = filled_layer(PageFormat(4, 4), [70], gen)
+    q, qp = _queries(1, 16, gen)
+    want = kernels.decode(layer, bt, lens, q, qp, 0.1, "reference")
+    got = kernels.decode(layer, bt, lens, q, qp, 0.1, "triton", dict(maxnreg=168))
+    assert rel(got[0], want[0]) < TOL

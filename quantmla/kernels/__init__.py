@@ -144,6 +144,7 @@ DECODE_CONFIG = {
     "num_splits": "programs per (request, head block) along the context, merged by LSE",
     "max_len": "the batch's longest request (saves a device-to-host read per call)",
     "pv_split": "P·V with P as a hi/lo pair, float32 accuracy (True, the default up to 16 heads) or one BF16 tile (False, the default above)",
+    "maxnreg": "registers per thread the compiler may use (more programs per SM, spills beyond); none by default",
 }
 PREFILL_CONFIG = {
     "block_m": "(query, head) rows per program",

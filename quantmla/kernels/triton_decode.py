@@ -268,6 +268,16 @@ TILES = {
 }
 
 
+def programs_per_sm(cfg: dict) -> int:
+    """Programs of ``cfg`` one SM holds, as the split count assumes: the register file (65,536
+    registers) over a register cap ``maxnreg`` if one is set, else two 4-warp or one 8-warp
+    program (the compiler takes all 255 registers per thread when it can). Shared memory is the
+    tuning's business: a candidate whose tiles do not fit that many times is simply slower."""
+    if cfg.get("maxnreg"):
+        return max(1, 65536 // (int(cfg["maxnreg"]) * 32 * cfg["num_warps"]))
+    return 2 if cfg["num_warps"] <= 4 else 1
+
+
 def default_config(B: int, H: int, max_len: int, fmt, device, config: dict | None = None) -> dict:
     """Tiles, warps and splits for one decode shape; ``config`` overrides any of them.
 
@@ -294,7 +304,7 @@ def _config(B: int, H: int, max_len: int, fmt, device, key: tuple) -> dict:
     if "num_splits" not in cfg:
         heads = triton.cdiv(H, cfg["block_h"])
         tiles = max(1, triton.cdiv(max_len, cfg["block_n"]))
-        per_sm = 2 if cfg["num_warps"] <= 4 else 1
+        per_sm = programs_per_sm(cfg)
         cfg["num_splits"] = _splits(B, heads, tiles, per_sm * _sms(device))
     return cfg
 
@@ -371,6 +381,7 @@ def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | 
         INTERP=INTERPRET,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
+        maxnreg=cfg.get("maxnreg"),
     )
     if split:
         block_d = min(64, fmt.d_c & -fmt.d_c)  # a power of two dividing d_c
