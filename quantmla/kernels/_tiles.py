@@ -270,7 +270,12 @@ def load_rows(
                 j = tl.arange(0, BLOCK_N * KG)
                 tok = tl.reshape(tl.broadcast_to(slots[:, None], (BLOCK_N, KG)), (BLOCK_N * KG,))
                 off = g[:, None] * (PAGE_TOKENS * KG) + (tok * KG + j % KG)[None, :]
-                off = tl.max_contiguous(tl.multiple_of(off, (1, KG)), (1, KG))
+                # two threads per group and token (16 B each for 4-bit codes, 8 B for 2-bit): the
+                # reconstructed rows then leave each thread in runs of channels, and the tile is
+                # stored channel-fastest in 16-byte pieces (with one thread per 2-bit group the
+                # compiler chose a token-fastest tile, written 2 bytes at a time)
+                CH: tl.constexpr = KG // 2 if KG < 32 else 16
+                off = tl.max_contiguous(tl.multiple_of(off, (1, CH)), (1, CH))
                 b = tl.load((codes_ptr + page * ps_codes) + off, mask=g[:, None] < NG, other=0)
                 b = tl.permute(tl.reshape(b, (NGP, BLOCK_N, KG)), (1, 0, 2))
             x = dequant_bf16(b, s[:, :, None], z[:, :, None], W, INTERP)
