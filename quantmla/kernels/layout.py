@@ -18,8 +18,8 @@ A path kept at 16 bits stores its rows in the cache dtype instead of codes and m
 per byte lowest index first. 3-bit codes travel in 4-bit containers. A codes region is
 group-major: the bytes of quantization group 0 of the page's 64 tokens, then those of group 1,
 and so on (64 × g·w/8 B per group), so that the codes of one group for consecutive tokens are
-consecutive bytes (a warp copying a tile then touches 4 cache lines, not 16). Each page is padded
-to a multiple of 4 KiB (a whole number of 64-byte units per token), which gives the
+consecutive bytes (a warp copying a tile then touches 4 cache lines, not 16). Each page is
+padded to a multiple of 4 KiB (a whole number of 64-byte units per token), which gives the
 paper's 20,480 B C4R4 page: 317 B of codes and metadata per token, padded to 320.
 
 Besides the pages a request owns a protection buffer per layer: the cache-dtype rows
@@ -167,8 +167,9 @@ class PagedLayer:
 
     ``views[name]`` is a ``(num_pages, 64, width)`` tensor of the region's dtype aliasing the
     pool, except for codes: ``(num_pages, 64, groups, bytes per group)`` over the group-major
-    bytes (``view[page, slot].flatten(-2)`` is a token's packed row). ``prot`` is ``(batch, sink + recent, d_c + d_r)`` in the cache dtype (None when the
-    format is not quantized or protection is off).
+    bytes (``view[page, slot].flatten(-2)`` is a token's packed row). ``prot`` is
+    ``(batch, sink + recent, d_c + d_r)`` in the cache dtype (None when the format is not
+    quantized or protection is off).
     """
 
     def __init__(self, fmt: PageFormat, num_pages: int, device, batch: int = 0, sink: int = 0, recent: int = 0):
