@@ -287,15 +287,16 @@ def warm(heads, workers=None, only=None) -> None:
 
     workers = workers or max(1, min(16, (os.cpu_count() or 2) - 1))
 
-    jobs = [
-        (H, name, cfg)
-        for H in heads
-        for name in FORMATS
-        for pv in ("default", "split", "bf16")
-        for cfg in candidates(H, pv) + [_pv_config(pv)]
-    ]
     if only is not None:
         jobs = [(H, name, cfg) for H in heads for name in FORMATS for cfg in only]
+    else:
+        jobs = [
+            (H, name, cfg)
+            for H in heads
+            for name in FORMATS
+            for pv in ("default", "split", "bf16")
+            for cfg in candidates(H, pv) + [_pv_config(pv)]
+        ]
     with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
         for msg in ex.map(_warm_one, jobs):
             print("warm", msg, flush=True)
@@ -373,10 +374,10 @@ def main(argv=None):
     configs = {(H, n): dict(common) for H in heads for n in FORMATS}
     tuning = {}
     if args.tune:
+        given = [dict(common, **c) for c in args.candidates] if args.candidates else None
         for H in heads:
             for name in FORMATS:
-                cands = [dict(_pv_config(args.pv), **c) for c in args.candidates] if args.candidates else None
-                best, times = tune(H, name, gen, l2, cands or candidates(H, args.pv))
+                best, times = tune(H, name, gen, l2, given or candidates(H, args.pv))
                 configs[(H, name)] = best
                 tuning[f"H{H}-{name}"] = times
                 print(f"tune H={H} {name}: {times} -> {best}", flush=True)
