@@ -230,7 +230,9 @@ CANDIDATES = {  # tile configs timed by --tune (those that spill heavily in the 
     16: [dict(block_n=32, num_warps=8, num_stages=st) for st in (2, 3)]
     + [dict(block_n=64, num_warps=8, num_stages=st) for st in (2, 3)]
     + [dict(block_n=bn, num_warps=4, num_stages=st) for bn in (16, 32, 64) for st in (2, 3)]
-    + [dict(block_n=32, num_warps=4, num_stages=4)],
+    + [dict(block_n=32, num_warps=4, num_stages=4)]
+    + [dict(block_n=64, num_warps=4, num_stages=2, chunks=c) for c in (2, 4)]
+    + [dict(block_n=32, num_warps=4, num_stages=3, chunks=4)],
     # (register caps, "maxnreg", for three or four programs per SM were timed with --candidates
     # and lost everywhere: bench/NOTES.md, v11)
     128: [
@@ -241,7 +243,8 @@ CANDIDATES = {  # tile configs timed by --tune (those that spill heavily in the 
 
 
 WIDE_P_BF16 = {  # 64-head tiles: with P as one BF16 tile they compile to wgmma without heavy spills
-    128: [dict(block_h=64, block_n=bn, num_warps=8, num_stages=st) for bn, st in ((32, 2), (32, 3), (64, 2))],
+    128: [dict(block_h=64, block_n=bn, num_warps=8, num_stages=st) for bn, st in ((32, 2), (32, 3), (64, 2))]
+    + [dict(block_h=64, block_n=64, num_warps=8, num_stages=2, chunks=c) for c in (2, 4)],
 }
 
 

@@ -47,10 +47,12 @@ def test_decode_kernel_matches_reference(case):
     layer, bt, lens, _, _ = filled_layer(fmt, lengths, gen)
     q, qp = _queries(len(lengths), H, gen, d_c)
     o_ref, lse_ref = ref.decode(layer, bt, lens, q, qp, 576**-0.5)
-    configs = [None, dict(num_splits=1), dict(num_splits=3, block_n=16)]
+    # the content path whole and in 2 or 4 column chunks (chunks() falls back to 1 where a format
+    # cannot be cut so, the 384-wide latent); the GPU default is 4, the interpreter's 1
+    configs = [None, dict(num_splits=1, chunks=4), dict(num_splits=3, block_n=16, chunks=1)]
     if H > 16:  # the default there rounds P to BF16 once (1e-2); the hi/lo pair keeps float32 accuracy
-        configs = [None, dict(pv_split=True)]
-    for cfg in configs if (H == 16 and cb == 4) or H > 16 else configs[:1]:
+        configs = [None, dict(pv_split=True, chunks=2)]
+    for cfg in configs if (H == 16 and cb == 4) or H > 16 else configs[:1] + [dict(chunks=2)]:
         out = _poisoned(len(lengths), H, d_c)
         o, lse = kernels.decode(layer, bt, lens, q, qp, 576**-0.5, "triton", cfg, out=out)
         assert o is out[0] and not torch.isnan(o).any() and not torch.isnan(lse).any()
@@ -166,3 +168,21 @@ def test_a_register_cap_is_a_known_decode_config_key():
     want = kernels.decode(layer, bt, lens, q, qp, 0.1, "reference")
     got = kernels.decode(layer, bt, lens, q, qp, 0.1, "triton", dict(maxnreg=168))
     assert rel(got[0], want[0]) < TOL
+
+
+def test_content_chunks_are_whole_groups_or_none():
+    """The kernel cuts d_c into 2 or 4 chunks only where each is whole 64-channel groups of a
+    power-of-two latent; otherwise it reads the content path whole. Other counts are refused."""
+    from quantmla.kernels.triton_decode import chunks
+
+    assert chunks(PageFormat(4, 4), 4) == 4 and chunks(PageFormat(2, 4), 2) == 2
+    assert chunks(PageFormat(16, 16), 4) == 4
+    assert chunks(PageFormat(4, 4, 384), 4) == 1  # not a power of two
+    assert chunks(PageFormat(4, 4, 128), 4) == 1 and chunks(PageFormat(4, 4, 128), 2) == 2  # 32 < one group
+    with pytest.raises(ValueError, match="chunks must be 1, 2 or 4"):
+        chunks(PageFormat(4, 4), 3)
+    gen = torch.Generator().manual_seed(4)
+    layer, bt, lens, _, _ = filled_layer(PageFormat(4, 4), [70], gen)
+    q, qp = _queries(1, 16, gen)
+    with pytest.raises(ValueError, match="chunks must be 1, 2 or 4"):
+        kernels.decode(layer, bt, lens, q, qp, 0.1, "triton", dict(chunks=8))

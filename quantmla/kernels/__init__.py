@@ -144,6 +144,7 @@ DECODE_CONFIG = {
     "num_splits": "programs per (request, head block) along the context, merged by LSE",
     "max_len": "the batch's longest request (saves a device-to-host read per call)",
     "pv_split": "P·V with P as a hi/lo pair, float32 accuracy (True, the default up to 16 heads) or one BF16 tile (False, the default above)",
+    "chunks": "column chunks (1, 2 or 4) the content path is read, reconstructed and multiplied in (1 where the format's d_c cannot be cut into whole groups)",
     "maxnreg": "registers per thread the compiler may use (more programs per SM, spills beyond); none by default",
 }
 PREFILL_CONFIG = {

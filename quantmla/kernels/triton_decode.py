@@ -9,6 +9,9 @@ runs the online softmax of absorbed attention::
     S = tau (q_lat Ĉ^T + q_pe K̂_P^T),   o += softmax(S) Ĉ
 
 The same reconstructed content tile is the key of ``q_lat Ĉ^T`` and the value of ``P Ĉ``.
+It is read, reconstructed and staged in up to four column chunks of whole quantization groups
+(config ``chunks``), each with its own slice of the query and of the accumulator: the compiler
+then holds one chunk, not the whole tile, in registers on its way to shared memory.
 With up to 16 heads ``P`` enters the tensor cores as a hi/lo pair in the cache dtype
 (P = P_hi + P_lo), so the product keeps float32 accuracy (~1e-6 relative instead of bf16's
 ~1e-3); above 16 heads it is one BF16 tile by default (``pv_split``, see :data:`TILES`). With several
@@ -30,6 +33,7 @@ import triton.language as tl
 
 from quantmla.kernels._tiles import (
     INTERPRET,
+    PAGE_TOKENS,
     anchor,
     container_bits,
     dot,
@@ -45,10 +49,18 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _online(q, qpe, kc, kr, valid, m_i, l_i, acc, qk_scale, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-            PV_SPLIT: tl.constexpr, IEEE: tl.constexpr, KV: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
-    """One tile of the online softmax: keys/values ``kc`` (N, d_c) and ``kr`` (N, d_r)."""
-    s = dot(q, tl.trans(kc), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), IEEE, INTERP)
+def _step(q0, q1, q2, q3, qpe, k0, k1, k2, k3, kr, valid, m_i, l_i, a0, a1, a2, a3, qk_scale, NCH: tl.constexpr,
+          BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PV_SPLIT: tl.constexpr, IEEE: tl.constexpr,
+          KV: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+    """One tile of the online softmax over content keys/values in ``NCH`` column chunks ``k0..``
+    (N, d_c / NCH each, with the query chunks ``q0..`` and accumulator chunks ``a0..``) and the
+    RoPE keys ``kr`` (N, d_r). Chunks past ``NCH`` are not used and come back as they went in."""
+    s = dot(q0, tl.trans(k0), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), IEEE, INTERP)
+    if NCH > 1:
+        s = dot(q1, tl.trans(k1), s, IEEE, INTERP)
+    if NCH > 2:
+        s = dot(q2, tl.trans(k2), s, IEEE, INTERP)
+        s = dot(q3, tl.trans(k3), s, IEEE, INTERP)
     s = dot(qpe, tl.trans(kr), s, IEEE, INTERP)
     s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -56,14 +68,24 @@ def _online(q, qpe, kc, kr, valid, m_i, l_i, acc, qk_scale, BLOCK_H: tl.constexp
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
+    a0 = _pv(p, k0, a0 * alpha[:, None], PV_SPLIT, IEEE, KV, INTERP)
+    if NCH > 1:
+        a1 = _pv(p, k1, a1 * alpha[:, None], PV_SPLIT, IEEE, KV, INTERP)
+    if NCH > 2:
+        a2 = _pv(p, k2, a2 * alpha[:, None], PV_SPLIT, IEEE, KV, INTERP)
+        a3 = _pv(p, k3, a3 * alpha[:, None], PV_SPLIT, IEEE, KV, INTERP)
+    return m_new, l_i, a0, a1, a2, a3
+
+
+@triton.jit
+def _pv(p, v, acc, PV_SPLIT: tl.constexpr, IEEE: tl.constexpr, KV: tl.constexpr, INTERP: tl.constexpr):
+    """acc + P·V, with P as a hi/lo pair in the cache dtype (float32 accuracy) or as one tile."""
     if PV_SPLIT:
         p_hi = p.to(KV)
-        acc = dot(p_hi, kc, acc, IEEE, INTERP)
-        acc = dot((p - p_hi.to(tl.float32)).to(KV), kc, acc, IEEE, INTERP)
+        acc = dot(p_hi, v, acc, IEEE, INTERP)
+        return dot((p - p_hi.to(tl.float32)).to(KV), v, acc, IEEE, INTERP)
     else:
-        acc = dot(p.to(KV), kc, acc, IEEE, INTERP)
-    return m_new, l_i, acc
+        return dot(p.to(KV), v, acc, IEEE, INTERP)
 
 
 @triton.jit
@@ -71,6 +93,57 @@ def _tile(t, low_hi, SINK: tl.constexpr, TPP: tl.constexpr, BLOCK_N: tl.constexp
     """Page slots of tile ``t`` and which of its tokens the pages serve (SINK <= token < low_hi)."""
     offs = t * BLOCK_N + tl.arange(0, BLOCK_N)
     return (t % TPP) * BLOCK_N + tl.arange(0, BLOCK_N), (offs < low_hi) & (offs >= SINK)
+
+
+@triton.jit
+def _meta(scale_ptr, zero_ptr, ps_scale, ps_zero, page, slots, valid, J: tl.constexpr, NCH: tl.constexpr,
+          DC: tl.constexpr, DCP: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """Scales and zero-points of content chunk ``J`` of ``NCH`` (:func:`_tiles.load_meta` for one chunk)."""
+    if NCH == 1:
+        return load_meta(scale_ptr, zero_ptr, ps_scale, ps_zero, page, slots, valid, DC, DCP, BITS, G, BLOCK_N)
+    elif BITS == 16:
+        return tl.zeros([BLOCK_N, 1], tl.float32), tl.zeros([BLOCK_N, 1], tl.uint8)
+    else:
+        GC: tl.constexpr = DC // NCH // G  # groups per chunk
+        g = J * GC + tl.arange(0, GC)
+        off = slots[:, None] * (DC // G) + g[None, :]
+        s = tl.load((scale_ptr + page * ps_scale) + off, mask=valid[:, None], other=0.0)
+        z = tl.load((zero_ptr + page * ps_zero) + off)
+        return s, z
+
+
+@triton.jit
+def _rows(rows_ptr, codes_ptr, ps_rows, ps_codes, page, slots, valid, s, z, J: tl.constexpr, NCH: tl.constexpr,
+          DC: tl.constexpr, DCP: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr, G: tl.constexpr,
+          BLOCK_N: tl.constexpr, KV: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+    """(BLOCK_N, DCP / NCH) content rows of chunk ``J`` (:func:`_tiles.load_rows` for one chunk).
+    A chunk is whole quantization groups (codes are group-major in a page, so its codes start
+    at group J·DC/NCH/G); a reconstructed chunk passes through ``anchor`` so that the two
+    products reading it (scores and P·V) share it."""
+    CW: tl.constexpr = DCP // NCH
+    if NCH == 1:
+        x = load_rows(rows_ptr, codes_ptr, ps_rows, ps_codes, page, slots, valid, s, z,
+                      DC, DCP, BITS, W, G, BLOCK_N, KV, INTERP)  # fmt: skip
+    elif BITS == 16:
+        cols = J * CW + tl.arange(0, CW)
+        x = tl.load((rows_ptr + page * ps_rows) + (slots[:, None] * DC + cols[None, :]), mask=valid[:, None], other=0.0)
+    else:
+        x = load_rows(rows_ptr, codes_ptr + J * (CW // G) * (PAGE_TOKENS * (G * W // 8)), ps_rows, ps_codes, page,
+                      slots, valid, s, z, CW, CW, BITS, W, G, BLOCK_N, KV, INTERP)  # fmt: skip
+    if BITS < 16:
+        x = anchor(x, INTERP)
+    return x.to(KV)
+
+
+def chunks(fmt, requested: int) -> int:
+    """Column chunks of the content path the kernel can use for ``fmt``: ``requested`` (1, 2 or 4)
+    when d_c is a power of two that many chunks of whole groups (and of >= 16 channels) tile, else 1."""
+    n = int(requested)
+    if n not in (1, 2, 4):
+        raise ValueError(f"decode config chunks must be 1, 2 or 4, got {requested}")
+    d_c = fmt.d_c
+    ok = d_c == padded(d_c) and d_c % n == 0 and d_c // n >= 16 and (not fmt.quantized or (d_c // n) % fmt.group == 0)
+    return n if ok else 1
 
 
 @triton.jit
@@ -124,6 +197,7 @@ def _decode_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    NCH: tl.constexpr,
     SPLIT: tl.constexpr,
     PV_SPLIT: tl.constexpr,
     IEEE: tl.constexpr,
@@ -136,10 +210,21 @@ def _decode_kernel(
     L = tl.load(LENS + b).to(tl.int32)
     heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
-    dc = tl.arange(0, DCP)
-    dcm = dc[None, :] < DC
     dr = tl.arange(0, DR)
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + dc[None, :], mask=hmask[:, None] & dcm, other=0.0)
+    # the content path in NCH column chunks (see chunks()): query, keys and accumulator alike
+    CW: tl.constexpr = DCP // NCH
+    cw = tl.arange(0, CW)
+    q_ptr = Q + b * stride_qb + heads[:, None] * stride_qh + cw[None, :]
+    qm = hmask[:, None] & (cw[None, :] < DC)
+    q0 = tl.load(q_ptr, mask=qm, other=0.0)
+    q1 = q0
+    q2 = q0
+    q3 = q0
+    if NCH > 1:
+        q1 = tl.load(q_ptr + CW, mask=qm, other=0.0)
+    if NCH > 2:
+        q2 = tl.load(q_ptr + 2 * CW, mask=qm, other=0.0)
+        q3 = tl.load(q_ptr + 3 * CW, mask=qm, other=0.0)
     qpe = tl.load(QPE + b * stride_rb + heads[:, None] * stride_rh + dr[None, :], mask=hmask[:, None], other=0.0)
 
     n_tiles = tl.cdiv(L, BLOCK_N)
@@ -147,7 +232,10 @@ def _decode_kernel(
     t_hi = tl.minimum(t_lo + tiles_per_split, n_tiles)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, DCP], tl.float32)
+    a0 = tl.zeros([BLOCK_H, CW], tl.float32)
+    a1 = a0
+    a2 = a0
+    a3 = a0
     if HAS_PROT:
         low_hi = L - RECENT  # tokens SINK <= t < L - RECENT are read from the pages
     else:
@@ -158,24 +246,38 @@ def _decode_kernel(
     # are software-pipelined by the compiler).
     page = tl.load(BT + b * stride_bt + t_lo // TPP, mask=t_lo < t_hi, other=0).to(tl.int64)
     slots, valid = _tile(t_lo, low_hi, SINK, TPP, BLOCK_N)
-    sc, zc = load_meta(CScale, CZero, ps_cscale, ps_czero, page, slots, valid, DC, DCP, C_BITS, G, BLOCK_N)
+    s0, z0 = _meta(CScale, CZero, ps_cscale, ps_czero, page, slots, valid, 0, NCH, DC, DCP, C_BITS, G, BLOCK_N)
+    s1, z1 = _meta(CScale, CZero, ps_cscale, ps_czero, page, slots, valid, 1, NCH, DC, DCP, C_BITS, G, BLOCK_N)
+    s2, z2 = _meta(CScale, CZero, ps_cscale, ps_czero, page, slots, valid, 2, NCH, DC, DCP, C_BITS, G, BLOCK_N)
+    s3, z3 = _meta(CScale, CZero, ps_cscale, ps_czero, page, slots, valid, 3, NCH, DC, DCP, C_BITS, G, BLOCK_N)
     sr, zr = load_meta(RScale, RZero, ps_rscale, ps_rzero, page, slots, valid, DR, DR, R_BITS, G, BLOCK_N)
     for t in range(t_lo, t_hi):
         slots, valid = _tile(t, low_hi, SINK, TPP, BLOCK_N)
-        kc = load_rows(CRows, CCodes, ps_crows, ps_ccodes, page, slots, valid, sc, zc,
+        k0 = _rows(CRows, CCodes, ps_crows, ps_ccodes, page, slots, valid, s0, z0, 0, NCH,
+                   DC, DCP, C_BITS, C_W, G, BLOCK_N, KV, INTERP)  # fmt: skip
+        k1 = k0
+        k2 = k0
+        k3 = k0
+        if NCH > 1:
+            k1 = _rows(CRows, CCodes, ps_crows, ps_ccodes, page, slots, valid, s1, z1, 1, NCH,
+                       DC, DCP, C_BITS, C_W, G, BLOCK_N, KV, INTERP)  # fmt: skip
+        if NCH > 2:
+            k2 = _rows(CRows, CCodes, ps_crows, ps_ccodes, page, slots, valid, s2, z2, 2, NCH,
+                       DC, DCP, C_BITS, C_W, G, BLOCK_N, KV, INTERP)  # fmt: skip
+            k3 = _rows(CRows, CCodes, ps_crows, ps_ccodes, page, slots, valid, s3, z3, 3, NCH,
                        DC, DCP, C_BITS, C_W, G, BLOCK_N, KV, INTERP)  # fmt: skip
         kr = load_rows(RRows, RCodes, ps_rrows, ps_rcodes, page, slots, valid, sr, zr,
                        DR, DR, R_BITS, R_W, G, BLOCK_N, KV, INTERP)  # fmt: skip
         tn = tl.minimum(t + 1, t_hi - 1)
         page = tl.load(BT + b * stride_bt + tn // TPP).to(tl.int64)
         slots_n, valid_n = _tile(tn, low_hi, SINK, TPP, BLOCK_N)
-        sc, zc = load_meta(CScale, CZero, ps_cscale, ps_czero, page, slots_n, valid_n, DC, DCP, C_BITS, G, BLOCK_N)
+        s0, z0 = _meta(CScale, CZero, ps_cscale, ps_czero, page, slots_n, valid_n, 0, NCH, DC, DCP, C_BITS, G, BLOCK_N)
+        s1, z1 = _meta(CScale, CZero, ps_cscale, ps_czero, page, slots_n, valid_n, 1, NCH, DC, DCP, C_BITS, G, BLOCK_N)
+        s2, z2 = _meta(CScale, CZero, ps_cscale, ps_czero, page, slots_n, valid_n, 2, NCH, DC, DCP, C_BITS, G, BLOCK_N)
+        s3, z3 = _meta(CScale, CZero, ps_cscale, ps_czero, page, slots_n, valid_n, 3, NCH, DC, DCP, C_BITS, G, BLOCK_N)
         sr, zr = load_meta(RScale, RZero, ps_rscale, ps_rzero, page, slots_n, valid_n, DR, DR, R_BITS, G, BLOCK_N)
-        if C_BITS < 16:
-            kc = anchor(kc, INTERP)
-        m_i, l_i, acc = _online(
-            q, qpe, kc, kr, valid, m_i, l_i, acc, qk_scale, BLOCK_H, BLOCK_N, PV_SPLIT, IEEE, KV, INTERP
-        )
+        m_i, l_i, a0, a1, a2, a3 = _step(q0, q1, q2, q3, qpe, k0, k1, k2, k3, kr, valid, m_i, l_i, a0, a1, a2, a3,
+                                         qk_scale, NCH, BLOCK_H, BLOCK_N, PV_SPLIT, IEEE, KV, INTERP)  # fmt: skip
     if HAS_PROT:
         if pid_s == tl.num_programs(1) - 1:  # the protected rows (sink, then the ring of the latest RECENT)
             ROWS: tl.constexpr = SINK + RECENT
@@ -186,17 +288,31 @@ def _decode_kernel(
                 tok = tl.where(L <= RECENT, ring, base + (ring - base % RECENT + RECENT) % RECENT)
                 valid = tl.where(r < SINK, r < L, (r < ROWS) & (tok >= SINK) & (tok < L))
                 rows = PROT + b * stride_pb + r[:, None] * (DC + DR)
-                kc = tl.load(rows + dc[None, :], mask=valid[:, None] & dcm, other=0.0)
+                km = valid[:, None] & (cw[None, :] < DC)
+                k0 = tl.load(rows + cw[None, :], mask=km, other=0.0)
+                k1 = k0
+                k2 = k0
+                k3 = k0
+                if NCH > 1:
+                    k1 = tl.load(rows + CW + cw[None, :], mask=km, other=0.0)
+                if NCH > 2:
+                    k2 = tl.load(rows + 2 * CW + cw[None, :], mask=km, other=0.0)
+                    k3 = tl.load(rows + 3 * CW + cw[None, :], mask=km, other=0.0)
                 kr = tl.load(rows + DC + dr[None, :], mask=valid[:, None], other=0.0)
-                m_i, l_i, acc = _online(
-                    q, qpe, kc, kr, valid, m_i, l_i, acc, qk_scale, BLOCK_H, BLOCK_N, PV_SPLIT, IEEE, KV, INTERP
-                )
+                m_i, l_i, a0, a1, a2, a3 = _step(q0, q1, q2, q3, qpe, k0, k1, k2, k3, kr, valid, m_i, l_i,
+                                                 a0, a1, a2, a3, qk_scale, NCH, BLOCK_H, BLOCK_N, PV_SPLIT,
+                                                 IEEE, KV, INTERP)  # fmt: skip
 
     has = l_i > 0
-    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    inv = 1.0 / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    o_ptr = O + b * stride_ob + heads[:, None] * stride_oh + pid_s * stride_os + dc[None, :]
-    tl.store(o_ptr, o, mask=hmask[:, None] & dcm)
+    o_ptr = O + b * stride_ob + heads[:, None] * stride_oh + pid_s * stride_os + cw[None, :]
+    tl.store(o_ptr, a0 * inv, mask=qm)
+    if NCH > 1:
+        tl.store(o_ptr + CW, a1 * inv, mask=qm)
+    if NCH > 2:
+        tl.store(o_ptr + 2 * CW, a2 * inv, mask=qm)
+        tl.store(o_ptr + 3 * CW, a3 * inv, mask=qm)
     if SPLIT:
         tl.store(LSE + (b * H + heads) * tl.num_programs(1) + pid_s, lse, mask=hmask)
     else:
@@ -257,14 +373,15 @@ def _splits(B: int, heads: int, tiles: int, slots: int) -> int:
 
 
 TILES = {
-    # (H > 16, quantized) -> tiles, warps, pipeline depth: the fastest of bench/decode.py --tune on
-    # the H200 (bench/NOTES.md, v3 and v6). Four-warp programs run two per SM. Above 16 heads, P
-    # enters P·V as one BF16 tile (FlashMLA's precision): that is what lets 64-head programs
-    # compile to wgmma without spilling, one program per 64 heads reconstructing each tile once.
-    (False, False): dict(block_h=16, block_n=32, num_warps=4, num_stages=3),
-    (False, True): dict(block_h=16, block_n=64, num_warps=4, num_stages=2),
+    # (H > 16, quantized) -> tiles, warps, pipeline depth, content chunks: the fastest of
+    # bench/decode.py --tune on the H200 (bench/NOTES.md, v3, v6 and v13). Four-warp programs run
+    # two per SM. Above 16 heads, P enters P·V as one BF16 tile (FlashMLA's precision): that is
+    # what lets 64-head programs compile to wgmma, one program per 64 heads reconstructing each
+    # tile once. Four content chunks cut the registers a reconstructed tile holds (v13).
+    (False, False): dict(block_h=16, block_n=64, num_warps=4, num_stages=2, chunks=4),
+    (False, True): dict(block_h=16, block_n=64, num_warps=4, num_stages=2, chunks=4),
     (True, False): dict(block_h=64, block_n=64, num_warps=8, num_stages=2, pv_split=False),
-    (True, True): dict(block_h=64, block_n=64, num_warps=8, num_stages=2, pv_split=False),
+    (True, True): dict(block_h=64, block_n=64, num_warps=8, num_stages=2, pv_split=False, chunks=4),
 }
 
 
@@ -374,6 +491,7 @@ def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | 
         PAGE_SIZE=PAGE,
         BLOCK_H=block_h,
         BLOCK_N=block_n,
+        NCH=chunks(fmt, cfg.get("chunks", 1)),
         SPLIT=split,
         PV_SPLIT=fmt.dtype != torch.float32 and cfg.get("pv_split", True),
         IEEE=fmt.dtype == torch.float32,
