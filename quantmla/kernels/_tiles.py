@@ -62,6 +62,32 @@ def dot(a, b, acc, IEEE: tl.constexpr, INTERP: tl.constexpr):
 
 
 @triton.jit
+def online_softmax(s, ok, m_i, l_i, qk_scale):
+    """One tile of the online softmax in base 2: raw scores ``s`` (rows, keys), where ``ok`` is
+    true for the pairs that count, the running row maxima ``m_i`` and sums ``l_i``. Returns the
+    new maxima and sums, the tile's probabilities (unnormalized) and the factor ``alpha`` that
+    rescales what was accumulated so far. Rows with no key yet keep maximum -inf and weight 0."""
+    s = tl.where(ok, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return m_new, l_i * alpha + tl.sum(p, 1), p, alpha
+
+
+@triton.jit
+def pv(p, v, acc, PV_SPLIT: tl.constexpr, IEEE: tl.constexpr, KV: tl.constexpr, INTERP: tl.constexpr):
+    """acc + P·V in the cache dtype ``KV``: P as a hi/lo pair (P = P_hi + P_lo, float32 accuracy)
+    or as one tile."""
+    if PV_SPLIT:
+        p_hi = p.to(KV)
+        acc = dot(p_hi, v, acc, IEEE, INTERP)
+        return dot((p - p_hi.to(tl.float32)).to(KV), v, acc, IEEE, INTERP)
+    else:
+        return dot(p.to(KV), v, acc, IEEE, INTERP)
+
+
+@triton.jit
 def bf16_rtne(x):
     """float32 → the nearest bfloat16 value (ties to even), still float32 (finite inputs)."""
     u = x.to(tl.uint32, bitcast=True)

@@ -39,7 +39,9 @@ from quantmla.kernels._tiles import (
     dot,
     load_meta,
     load_rows,
+    online_softmax,
     padded,
+    pv,
     region_args,
     tl_dtype,
 )
@@ -62,30 +64,14 @@ def _step(q0, q1, q2, q3, qpe, k0, k1, k2, k3, kr, valid, m_i, l_i, a0, a1, a2, 
         s = dot(q2, tl.trans(k2), s, IEEE, INTERP)
         s = dot(q3, tl.trans(k3), s, IEEE, INTERP)
     s = dot(qpe, tl.trans(kr), s, IEEE, INTERP)
-    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    a0 = _pv(p, k0, a0 * alpha[:, None], PV_SPLIT, IEEE, KV, INTERP)
+    m_new, l_i, p, alpha = online_softmax(s, valid[None, :], m_i, l_i, qk_scale)
+    a0 = pv(p, k0, a0 * alpha[:, None], PV_SPLIT, IEEE, KV, INTERP)
     if NCH > 1:
-        a1 = _pv(p, k1, a1 * alpha[:, None], PV_SPLIT, IEEE, KV, INTERP)
+        a1 = pv(p, k1, a1 * alpha[:, None], PV_SPLIT, IEEE, KV, INTERP)
     if NCH > 2:
-        a2 = _pv(p, k2, a2 * alpha[:, None], PV_SPLIT, IEEE, KV, INTERP)
-        a3 = _pv(p, k3, a3 * alpha[:, None], PV_SPLIT, IEEE, KV, INTERP)
+        a2 = pv(p, k2, a2 * alpha[:, None], PV_SPLIT, IEEE, KV, INTERP)
+        a3 = pv(p, k3, a3 * alpha[:, None], PV_SPLIT, IEEE, KV, INTERP)
     return m_new, l_i, a0, a1, a2, a3
-
-
-@triton.jit
-def _pv(p, v, acc, PV_SPLIT: tl.constexpr, IEEE: tl.constexpr, KV: tl.constexpr, INTERP: tl.constexpr):
-    """acc + P·V, with P as a hi/lo pair in the cache dtype (float32 accuracy) or as one tile."""
-    if PV_SPLIT:
-        p_hi = p.to(KV)
-        acc = dot(p_hi, v, acc, IEEE, INTERP)
-        return dot((p - p_hi.to(tl.float32)).to(KV), v, acc, IEEE, INTERP)
-    else:
-        return dot(p.to(KV), v, acc, IEEE, INTERP)
 
 
 @triton.jit

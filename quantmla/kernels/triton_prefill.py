@@ -28,22 +28,14 @@ from quantmla.kernels._tiles import (
     dot,
     load_meta,
     load_rows,
+    online_softmax,
     padded,
+    pv,
     region_args,
     tl_dtype,
 )
 from quantmla.kernels.layout import PAGE
 from quantmla.kernels.triton_decode import LOG2E
-
-
-@triton.jit
-def _pv(p, x, acc, PV_SPLIT: tl.constexpr, IEEE: tl.constexpr, KV: tl.constexpr, INTERP: tl.constexpr):
-    if PV_SPLIT:
-        p_hi = p.to(KV)
-        acc = dot(p_hi, x, acc, IEEE, INTERP)
-        return dot((p - p_hi.to(tl.float32)).to(KV), x, acc, IEEE, INTERP)
-    else:
-        return dot(p.to(KV), x, acc, IEEE, INTERP)
 
 
 @triton.jit
@@ -87,21 +79,16 @@ def _tile(q, qpe, m_i, l_i, acc, k0, b, kv_len, tq, live, qk_scale, C, KP, strid
     elif MODE == 2:
         s = sh
     ok = jv[None, :] & (j[None, :] <= tq[:, None]) & live[:, None]
-    s = tl.where(ok, s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    m_new, l_i, p, alpha = online_softmax(s, ok, m_i, l_i, qk_scale)
     acc = acc * alpha[:, None]
     if MODE == 0:
-        acc = _pv(p, xc, acc, PV_SPLIT, IEEE, KV, INTERP)
+        acc = pv(p, xc, acc, PV_SPLIT, IEEE, KV, INTERP)
     elif MODE == 1:
         pk = tl.where(keep, p, 0.0)
-        acc = _pv(pk, xc, acc, PV_SPLIT, IEEE, KV, INTERP)
-        acc = _pv(p - pk, hc, acc, PV_SPLIT, IEEE, KV, INTERP)
+        acc = pv(pk, xc, acc, PV_SPLIT, IEEE, KV, INTERP)
+        acc = pv(p - pk, hc, acc, PV_SPLIT, IEEE, KV, INTERP)
     else:
-        acc = _pv(p, hc, acc, PV_SPLIT, IEEE, KV, INTERP)
+        acc = pv(p, hc, acc, PV_SPLIT, IEEE, KV, INTERP)
     return m_new, l_i, acc
 
 
