@@ -190,24 +190,20 @@ def _prefill_kernel(
         lo: tl.constexpr = (SINK + BLOCK_N - 1) // BLOCK_N * BLOCK_N
         t_min = tl.min(tl.where(live, tq, kv_len))
         hi = tl.maximum(tl.minimum(tl.maximum(t_min - RECENT + 1, 0) // BLOCK_N * BLOCK_N, n_keys), lo)
-        for k0 in range(0, tl.minimum(lo, n_keys), BLOCK_N):
-            m_i, l_i, acc = _tile(q, qpe, m_i, l_i, acc, k0, b, kv_len, tq, live, qk_scale, C, KP, stride_cb,
-                                  stride_cl, stride_kb, stride_kl, BT, stride_bt, CRows, CCodes, CScale, CZero,
-                                  ps_crows, ps_ccodes, ps_cscale, ps_czero, RRows, RCodes, RScale, RZero, ps_rrows,
-                                  ps_rcodes, ps_rscale, ps_rzero, DC, DCP, DR, G, C_BITS, R_BITS, C_W, R_W, SINK,
-                                  RECENT, PAGE_SIZE, BLOCK_M, BLOCK_N, PV_SPLIT, IEEE, KV, INTERP, 1)  # fmt: skip
-        for k0 in range(lo, hi, BLOCK_N):
-            m_i, l_i, acc = _tile(q, qpe, m_i, l_i, acc, k0, b, kv_len, tq, live, qk_scale, C, KP, stride_cb,
-                                  stride_cl, stride_kb, stride_kl, BT, stride_bt, CRows, CCodes, CScale, CZero,
-                                  ps_crows, ps_ccodes, ps_cscale, ps_czero, RRows, RCodes, RScale, RZero, ps_rrows,
-                                  ps_rcodes, ps_rscale, ps_rzero, DC, DCP, DR, G, C_BITS, R_BITS, C_W, R_W, SINK,
-                                  RECENT, PAGE_SIZE, BLOCK_M, BLOCK_N, PV_SPLIT, IEEE, KV, INTERP, 2)  # fmt: skip
-        for k0 in range(hi, n_keys, BLOCK_N):
-            m_i, l_i, acc = _tile(q, qpe, m_i, l_i, acc, k0, b, kv_len, tq, live, qk_scale, C, KP, stride_cb,
-                                  stride_cl, stride_kb, stride_kl, BT, stride_bt, CRows, CCodes, CScale, CZero,
-                                  ps_crows, ps_ccodes, ps_cscale, ps_czero, RRows, RCodes, RScale, RZero, ps_rrows,
-                                  ps_rcodes, ps_rscale, ps_rzero, DC, DCP, DR, G, C_BITS, R_BITS, C_W, R_W, SINK,
-                                  RECENT, PAGE_SIZE, BLOCK_M, BLOCK_N, PV_SPLIT, IEEE, KV, INTERP, 1)  # fmt: skip
+        for part in tl.static_range(3):  # [0, lo) and [hi, n_keys) choose per pair, [lo, hi) is stored only
+            if part == 0:
+                start, end = 0, tl.minimum(lo, n_keys)
+            elif part == 1:
+                start, end = lo, hi
+            else:
+                start, end = hi, n_keys
+            for k0 in range(start, end, BLOCK_N):
+                m_i, l_i, acc = _tile(q, qpe, m_i, l_i, acc, k0, b, kv_len, tq, live, qk_scale, C, KP, stride_cb,
+                                      stride_cl, stride_kb, stride_kl, BT, stride_bt, CRows, CCodes, CScale, CZero,
+                                      ps_crows, ps_ccodes, ps_cscale, ps_czero, RRows, RCodes, RScale, RZero,
+                                      ps_rrows, ps_rcodes, ps_rscale, ps_rzero, DC, DCP, DR, G, C_BITS, R_BITS, C_W,
+                                      R_W, SINK, RECENT, PAGE_SIZE, BLOCK_M, BLOCK_N, PV_SPLIT, IEEE, KV, INTERP,
+                                      2 if part == 1 else 1)  # fmt: skip
     else:
         for k0 in range(0, n_keys, BLOCK_N):
             m_i, l_i, acc = _tile(q, qpe, m_i, l_i, acc, k0, b, kv_len, tq, live, qk_scale, C, KP, stride_cb,
