@@ -121,6 +121,56 @@ def _rows(rows_ptr, codes_ptr, ps_rows, ps_codes, page, slots, valid, s, z, J: t
     return x.to(KV)
 
 
+@triton.jit
+def _metas(scale_ptr, zero_ptr, ps_scale, ps_zero, page, slots, valid, NCH: tl.constexpr, DC: tl.constexpr,
+           DCP: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """Scales and zero-points of the ``NCH`` content chunks, ``(s0, z0, ..., s3, z3)``; the slots
+    of chunks past ``NCH`` repeat chunk 0 (unused)."""
+    s0, z0 = _meta(scale_ptr, zero_ptr, ps_scale, ps_zero, page, slots, valid, 0, NCH, DC, DCP, BITS, G, BLOCK_N)
+    s1, z1, s2, z2, s3, z3 = s0, z0, s0, z0, s0, z0
+    if NCH > 1:
+        s1, z1 = _meta(scale_ptr, zero_ptr, ps_scale, ps_zero, page, slots, valid, 1, NCH, DC, DCP, BITS, G, BLOCK_N)
+    if NCH > 2:
+        s2, z2 = _meta(scale_ptr, zero_ptr, ps_scale, ps_zero, page, slots, valid, 2, NCH, DC, DCP, BITS, G, BLOCK_N)
+        s3, z3 = _meta(scale_ptr, zero_ptr, ps_scale, ps_zero, page, slots, valid, 3, NCH, DC, DCP, BITS, G, BLOCK_N)
+    return s0, z0, s1, z1, s2, z2, s3, z3
+
+
+@triton.jit
+def _chunk_rows(rows_ptr, codes_ptr, ps_rows, ps_codes, page, slots, valid, s0, z0, s1, z1, s2, z2, s3, z3,
+                NCH: tl.constexpr, DC: tl.constexpr, DCP: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr,
+                G: tl.constexpr, BLOCK_N: tl.constexpr, KV: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+    """The ``NCH`` content chunks of a tile (:func:`_rows` for each), ``(k0, k1, k2, k3)``; the
+    slots of chunks past ``NCH`` repeat chunk 0 (unused)."""
+    k0 = _rows(rows_ptr, codes_ptr, ps_rows, ps_codes, page, slots, valid, s0, z0, 0, NCH,
+               DC, DCP, BITS, W, G, BLOCK_N, KV, INTERP)  # fmt: skip
+    k1, k2, k3 = k0, k0, k0
+    if NCH > 1:
+        k1 = _rows(rows_ptr, codes_ptr, ps_rows, ps_codes, page, slots, valid, s1, z1, 1, NCH,
+                   DC, DCP, BITS, W, G, BLOCK_N, KV, INTERP)  # fmt: skip
+    if NCH > 2:
+        k2 = _rows(rows_ptr, codes_ptr, ps_rows, ps_codes, page, slots, valid, s2, z2, 2, NCH,
+                   DC, DCP, BITS, W, G, BLOCK_N, KV, INTERP)  # fmt: skip
+        k3 = _rows(rows_ptr, codes_ptr, ps_rows, ps_codes, page, slots, valid, s3, z3, 3, NCH,
+                   DC, DCP, BITS, W, G, BLOCK_N, KV, INTERP)  # fmt: skip
+    return k0, k1, k2, k3
+
+
+@triton.jit
+def _chunks(base, offs, mask, CW: tl.constexpr, NCH: tl.constexpr):
+    """The ``NCH`` column chunks of ``CW`` at ``base + offs`` (rows of queries or of protected keys
+    in memory; chunk j at ``base + j·CW + offs``), ``(x0, x1, x2, x3)``; the slots of chunks past
+    ``NCH`` repeat chunk 0 (unused)."""
+    x0 = tl.load(base + offs, mask=mask, other=0.0)
+    x1, x2, x3 = x0, x0, x0
+    if NCH > 1:
+        x1 = tl.load(base + CW + offs, mask=mask, other=0.0)
+    if NCH > 2:
+        x2 = tl.load(base + 2 * CW + offs, mask=mask, other=0.0)
+        x3 = tl.load(base + 3 * CW + offs, mask=mask, other=0.0)
+    return x0, x1, x2, x3
+
+
 def chunks(fmt, requested: int) -> int:
     """Column chunks of the content path the kernel can use for ``fmt``: ``requested`` (1, 2 or 4)
     when d_c is a power of two that many chunks of whole groups (and of >= 16 channels) tile, else 1."""
@@ -200,17 +250,9 @@ def _decode_kernel(
     # the content path in NCH column chunks (see chunks()): query, keys and accumulator alike
     CW: tl.constexpr = DCP // NCH
     cw = tl.arange(0, CW)
-    q_ptr = Q + b * stride_qb + heads[:, None] * stride_qh + cw[None, :]
+    q_rows = Q + b * stride_qb + heads[:, None] * stride_qh
     qm = hmask[:, None] & (cw[None, :] < DC)
-    q0 = tl.load(q_ptr, mask=qm, other=0.0)
-    q1 = q0
-    q2 = q0
-    q3 = q0
-    if NCH > 1:
-        q1 = tl.load(q_ptr + CW, mask=qm, other=0.0)
-    if NCH > 2:
-        q2 = tl.load(q_ptr + 2 * CW, mask=qm, other=0.0)
-        q3 = tl.load(q_ptr + 3 * CW, mask=qm, other=0.0)
+    q0, q1, q2, q3 = _chunks(q_rows, cw[None, :], qm, CW, NCH)
     qpe = tl.load(QPE + b * stride_rb + heads[:, None] * stride_rh + dr[None, :], mask=hmask[:, None], other=0.0)
 
     n_tiles = tl.cdiv(L, BLOCK_N)
@@ -232,35 +274,20 @@ def _decode_kernel(
     # are software-pipelined by the compiler).
     page = tl.load(BT + b * stride_bt + t_lo // TPP, mask=t_lo < t_hi, other=0).to(tl.int64)
     slots, valid = _tile(t_lo, low_hi, SINK, TPP, BLOCK_N)
-    s0, z0 = _meta(CScale, CZero, ps_cscale, ps_czero, page, slots, valid, 0, NCH, DC, DCP, C_BITS, G, BLOCK_N)
-    s1, z1 = _meta(CScale, CZero, ps_cscale, ps_czero, page, slots, valid, 1, NCH, DC, DCP, C_BITS, G, BLOCK_N)
-    s2, z2 = _meta(CScale, CZero, ps_cscale, ps_czero, page, slots, valid, 2, NCH, DC, DCP, C_BITS, G, BLOCK_N)
-    s3, z3 = _meta(CScale, CZero, ps_cscale, ps_czero, page, slots, valid, 3, NCH, DC, DCP, C_BITS, G, BLOCK_N)
+    s0, z0, s1, z1, s2, z2, s3, z3 = _metas(CScale, CZero, ps_cscale, ps_czero, page, slots, valid, NCH,
+                                            DC, DCP, C_BITS, G, BLOCK_N)  # fmt: skip
     sr, zr = load_meta(RScale, RZero, ps_rscale, ps_rzero, page, slots, valid, DR, DR, R_BITS, G, BLOCK_N)
     for t in range(t_lo, t_hi):
         slots, valid = _tile(t, low_hi, SINK, TPP, BLOCK_N)
-        k0 = _rows(CRows, CCodes, ps_crows, ps_ccodes, page, slots, valid, s0, z0, 0, NCH,
-                   DC, DCP, C_BITS, C_W, G, BLOCK_N, KV, INTERP)  # fmt: skip
-        k1 = k0
-        k2 = k0
-        k3 = k0
-        if NCH > 1:
-            k1 = _rows(CRows, CCodes, ps_crows, ps_ccodes, page, slots, valid, s1, z1, 1, NCH,
-                       DC, DCP, C_BITS, C_W, G, BLOCK_N, KV, INTERP)  # fmt: skip
-        if NCH > 2:
-            k2 = _rows(CRows, CCodes, ps_crows, ps_ccodes, page, slots, valid, s2, z2, 2, NCH,
-                       DC, DCP, C_BITS, C_W, G, BLOCK_N, KV, INTERP)  # fmt: skip
-            k3 = _rows(CRows, CCodes, ps_crows, ps_ccodes, page, slots, valid, s3, z3, 3, NCH,
-                       DC, DCP, C_BITS, C_W, G, BLOCK_N, KV, INTERP)  # fmt: skip
+        k0, k1, k2, k3 = _chunk_rows(CRows, CCodes, ps_crows, ps_ccodes, page, slots, valid, s0, z0, s1, z1, s2, z2,
+                                     s3, z3, NCH, DC, DCP, C_BITS, C_W, G, BLOCK_N, KV, INTERP)  # fmt: skip
         kr = load_rows(RRows, RCodes, ps_rrows, ps_rcodes, page, slots, valid, sr, zr,
                        DR, DR, R_BITS, R_W, G, BLOCK_N, KV, INTERP)  # fmt: skip
         tn = tl.minimum(t + 1, t_hi - 1)
         page = tl.load(BT + b * stride_bt + tn // TPP).to(tl.int64)
         slots_n, valid_n = _tile(tn, low_hi, SINK, TPP, BLOCK_N)
-        s0, z0 = _meta(CScale, CZero, ps_cscale, ps_czero, page, slots_n, valid_n, 0, NCH, DC, DCP, C_BITS, G, BLOCK_N)
-        s1, z1 = _meta(CScale, CZero, ps_cscale, ps_czero, page, slots_n, valid_n, 1, NCH, DC, DCP, C_BITS, G, BLOCK_N)
-        s2, z2 = _meta(CScale, CZero, ps_cscale, ps_czero, page, slots_n, valid_n, 2, NCH, DC, DCP, C_BITS, G, BLOCK_N)
-        s3, z3 = _meta(CScale, CZero, ps_cscale, ps_czero, page, slots_n, valid_n, 3, NCH, DC, DCP, C_BITS, G, BLOCK_N)
+        s0, z0, s1, z1, s2, z2, s3, z3 = _metas(CScale, CZero, ps_cscale, ps_czero, page, slots_n, valid_n, NCH,
+                                                DC, DCP, C_BITS, G, BLOCK_N)  # fmt: skip
         sr, zr = load_meta(RScale, RZero, ps_rscale, ps_rzero, page, slots_n, valid_n, DR, DR, R_BITS, G, BLOCK_N)
         m_i, l_i, a0, a1, a2, a3 = _step(q0, q1, q2, q3, qpe, k0, k1, k2, k3, kr, valid, m_i, l_i, a0, a1, a2, a3,
                                          qk_scale, NCH, BLOCK_H, BLOCK_N, PV_SPLIT, IEEE, KV, INTERP)  # fmt: skip
@@ -275,15 +302,7 @@ def _decode_kernel(
                 valid = tl.where(r < SINK, r < L, (r < ROWS) & (tok >= SINK) & (tok < L))
                 rows = PROT + b * stride_pb + r[:, None] * (DC + DR)
                 km = valid[:, None] & (cw[None, :] < DC)
-                k0 = tl.load(rows + cw[None, :], mask=km, other=0.0)
-                k1 = k0
-                k2 = k0
-                k3 = k0
-                if NCH > 1:
-                    k1 = tl.load(rows + CW + cw[None, :], mask=km, other=0.0)
-                if NCH > 2:
-                    k2 = tl.load(rows + 2 * CW + cw[None, :], mask=km, other=0.0)
-                    k3 = tl.load(rows + 3 * CW + cw[None, :], mask=km, other=0.0)
+                k0, k1, k2, k3 = _chunks(rows, cw[None, :], km, CW, NCH)
                 kr = tl.load(rows + DC + dr[None, :], mask=valid[:, None], other=0.0)
                 m_i, l_i, a0, a1, a2, a3 = _step(q0, q1, q2, q3, qpe, k0, k1, k2, k3, kr, valid, m_i, l_i,
                                                  a0, a1, a2, a3, qk_scale, NCH, BLOCK_H, BLOCK_N, PV_SPLIT,
