@@ -186,3 +186,52 @@ def test_content_chunks_are_whole_groups_or_none():
     q, qp = _queries(1, 16, gen)
     with pytest.raises(ValueError, match="chunks must be 1, 2 or 4"):
         kernels.decode(layer, bt, lens, q, qp, 0.1, "triton", dict(chunks=8))
+
+
+@pytest.mark.parametrize(
+    "cb, H, cfg",
+    [
+        (4, 16, dict(staged=3, num_splits=2)),
+        (2, 16, dict(staged=4, num_splits=1, block_n=16, chunks=4)),
+        (4, 128, dict(staged=3, pv_split=True, num_splits=1)),
+        (2, 128, dict(staged=4, pv_split=True, num_splits=3, chunks=4)),
+    ],
+    ids=str,
+)
+def test_staged_tiles_match_the_reference(cb, H, cfg):
+    """``staged``: each tile reconstructed ring − 1 tiles ahead into a per-program ring and read
+    back like a 16-bit page. Requests long enough for the ring to wrap several times in one
+    split (up to 13 page tiles), a short one that fills no slot past the first, an empty one,
+    and several splits; every output written (NaN-poisoned buffers), float32 accuracy."""
+    gen = torch.Generator().manual_seed(cb * 31 + H)
+    lengths = [900, 300, 70, 0]
+    layer, bt, lens, _, _ = filled_layer(PageFormat(cb, 4), lengths, gen)
+    q, qp = _queries(len(lengths), H, gen)
+    o_ref, lse_ref = ref.decode(layer, bt, lens, q, qp, 576**-0.5)
+    out = _poisoned(len(lengths), H)
+    o, lse = kernels.decode(layer, bt, lens, q, qp, 576**-0.5, "triton", cfg, out=out)
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+    assert rel(o, o_ref) < TOL and rel(lse, lse_ref) < TOL and same_inf(lse, lse_ref)
+
+
+def test_staging_applies_to_quantized_power_of_two_formats():
+    """The ring holds unpadded rows of quantized formats: 16-bit caches and a 384-wide latent read
+    their pages as before (the config is ignored, the output unchanged); ring sizes other than
+    3 or 4 and pipelines deeper than two stages are refused."""
+    from quantmla.kernels.triton_decode import staging
+
+    assert staging(PageFormat(4, 4), 3) == 3 and staging(PageFormat(2, 4), 4) == 4
+    assert staging(PageFormat(16, 16), 3) == 0 and staging(PageFormat(4, 4, 384), 3) == 0
+    assert staging(PageFormat(4, 4), None) == 0 and staging(PageFormat(4, 4), False) == 0
+    with pytest.raises(ValueError, match="staged must be 0"):
+        staging(PageFormat(4, 4), 2)
+    gen = torch.Generator().manual_seed(6)
+    layer, bt, lens, _, _ = filled_layer(PageFormat(4, 4, 384), [150], gen)
+    q, qp = _queries(1, 9, gen, 384)
+    want = kernels.decode(layer, bt, lens, q, qp, 0.1, "reference")
+    got = kernels.decode(layer, bt, lens, q, qp, 0.1, "triton", dict(staged=3))
+    assert rel(got[0], want[0]) < TOL
+    layer, bt, lens, _, _ = filled_layer(PageFormat(4, 4), [150], gen)
+    q, qp = _queries(1, 16, gen)
+    with pytest.raises(ValueError, match="num_stages <= 2"):
+        kernels.decode(layer, bt, lens, q, qp, 0.1, "triton", dict(staged=3, num_stages=3))
