@@ -146,8 +146,6 @@ DECODE_CONFIG = {
     "pv_split": "P·V with P as a hi/lo pair, float32 accuracy (True, the default up to 16 heads) or one BF16 tile (False, the default above)",
     "chunks": "column chunks (1, 2 or 4) the content path is read, reconstructed and multiplied in (1 where the format's d_c cannot be cut into whole groups)",
     "maxnreg": "registers per thread the compiler may use (more programs per SM, spills beyond); none by default",
-    "staged": "quantized formats: reconstruct each tile two tiles ahead into a per-program ring in global memory "
-    "(L2) and run the products on it like a 16-bit page (asynchronous wgmma); off by default",
 }
 PREFILL_CONFIG = {
     "block_m": "(query, head) rows per program",

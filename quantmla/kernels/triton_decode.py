@@ -171,56 +171,6 @@ def _chunks(base, offs, mask, CW: tl.constexpr, NCH: tl.constexpr):
     return x0, x1, x2, x3
 
 
-@triton.jit
-def _stage(ws, CRows, CCodes, CScale, CZero, ps_crows, ps_ccodes, ps_cscale, ps_czero, RRows, RCodes, RScale, RZero,
-           ps_rrows, ps_rcodes, ps_rscale, ps_rzero, bt_row, t, t_hi, low_hi, SINK: tl.constexpr, TPP: tl.constexpr,
-           DC: tl.constexpr, DR: tl.constexpr, G: tl.constexpr, C_BITS: tl.constexpr, R_BITS: tl.constexpr,
-           C_W: tl.constexpr, R_W: tl.constexpr, PCH: tl.constexpr, BLOCK_N: tl.constexpr, KV: tl.constexpr,
-           RING: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
-    """Reconstruct tile ``t`` (nothing past ``t_hi``) in ``PCH`` column chunks into ring slot
-    ``t % RING`` of this program's workspace ``ws``: BLOCK_N content rows of DC, then BLOCK_N
-    RoPE rows of DR, in the cache dtype. The products then read the slot like a 16-bit page,
-    through the compiler's pipelined copies, so that their matrix products run asynchronously
-    beside the next reconstruction (bench/NOTES.md, v14)."""
-    tq = tl.minimum(t, t_hi - 1)
-    page = tl.load(bt_row + tq // TPP).to(tl.int64)
-    slots, valid = _tile(tq, low_hi, SINK, TPP, BLOCK_N)
-    n = tl.arange(0, BLOCK_N)
-    live = t * BLOCK_N + n < t_hi * BLOCK_N  # rows to write (none past t_hi)
-    dst = ws + (t - t // RING * RING) * (BLOCK_N * (DC + DR))
-    CW: tl.constexpr = DC // PCH
-    cw = tl.arange(0, CW)
-    for J in tl.static_range(PCH):
-        s, z = _meta(CScale, CZero, ps_cscale, ps_czero, page, slots, valid, J, PCH, DC, DC, C_BITS, G, BLOCK_N)
-        x = _rows(CRows, CCodes, ps_crows, ps_ccodes, page, slots, valid, s, z, J, PCH, DC, DC, C_BITS, C_W, G,
-                  BLOCK_N, KV, INTERP)  # fmt: skip
-        tl.store(
-            dst + n[:, None] * DC + (J * CW + cw)[None, :],
-            x,
-            mask=live[:, None] & (cw[None, :] < CW),
-            eviction_policy="evict_last",
-        )
-    sr, zr = load_meta(RScale, RZero, ps_rscale, ps_rzero, page, slots, valid, DR, DR, R_BITS, G, BLOCK_N)
-    kr = load_rows(RRows, RCodes, ps_rrows, ps_rcodes, page, slots, valid, sr, zr,
-                   DR, DR, R_BITS, R_W, G, BLOCK_N, KV, INTERP)  # fmt: skip
-    dr = tl.arange(0, DR)
-    tl.store(
-        dst + BLOCK_N * DC + n[:, None] * DR + dr[None, :],
-        kr,
-        mask=live[:, None] & (dr[None, :] < DR),
-        eviction_policy="evict_last",
-    )
-
-
-def staging(fmt, requested) -> int:
-    """Ring slots per program for config ``staged`` (0 = off, 3 or 4): ``requested`` where ``fmt``
-    has a quantized path and power-of-two widths (the slots hold unpadded rows), else 0."""
-    n = int(requested or 0)
-    if n not in (0, 3, 4):
-        raise ValueError(f"decode config staged must be 0 (off), 3 or 4 ring slots, got {requested}")
-    return n if fmt.quantized and fmt.d_c == padded(fmt.d_c) and fmt.d_r == padded(fmt.d_r) else 0
-
-
 def chunks(fmt, requested: int) -> int:
     """Column chunks of the content path the kernel can use for ``fmt``: ``requested`` (1, 2 or 4)
     when d_c is a power of two that many chunks of whole groups (and of >= 16 channels) tile, else 1."""
@@ -241,7 +191,6 @@ def _decode_kernel(
     BT,
     LENS,
     PROT,
-    WS,
     CRows,
     CCodes,
     CScale,
@@ -285,8 +234,6 @@ def _decode_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NCH: tl.constexpr,
-    STAGED: tl.constexpr,  # ring slots per program (0: not staged)
-    PCH: tl.constexpr,
     SPLIT: tl.constexpr,
     PV_SPLIT: tl.constexpr,
     IEEE: tl.constexpr,
@@ -322,59 +269,28 @@ def _decode_kernel(
     else:
         low_hi = L
     TPP: tl.constexpr = PAGE_SIZE // BLOCK_N  # tiles per page: a tile never straddles two pages
-    if STAGED > 0:
-        RING: tl.constexpr = STAGED
-        ws = WS + ((b * tl.num_programs(1) + pid_s) * tl.num_programs(0) + pid_h) * (RING * BLOCK_N * (DC + DR))
-        bt_row = BT + b * stride_bt
-        n = tl.arange(0, BLOCK_N)
-        for d in tl.static_range(RING - 1):
-            _stage(ws, CRows, CCodes, CScale, CZero, ps_crows, ps_ccodes, ps_cscale, ps_czero, RRows, RCodes, RScale,
-                   RZero, ps_rrows, ps_rcodes, ps_rscale, ps_rzero, bt_row, t_lo + d, t_hi, low_hi, SINK, TPP, DC, DR,
-                   G, C_BITS, R_BITS, C_W, R_W, PCH, BLOCK_N, KV, RING, INTERP)  # fmt: skip
-        tl.debug_barrier()
-        # Each tile is reconstructed RING - 1 tiles ahead of its products. No barrier of our own in
-        # the loop (one keeps the compiler from pipelining it): every iteration has the compiler's
-        # barrier between waiting for its copies and the products that read them. With 2 stages
-        # the copy of tile t + 1 is issued in iteration t: RING = 4 writes it in iteration t - 2,
-        # a barrier before whatever point of iteration t the copy is issued at; RING = 3 writes
-        # it in iteration t - 1, which needs the copy issued after that barrier (Triton 3.6 issues
-        # it at the end of the iteration). The slot tile t + RING - 1 takes held tile t - 1,
-        # whose copies were waited for, and a barrier passed, in iteration t - 1.
-        for t in range(t_lo, t_hi):
-            slots, valid = _tile(t, low_hi, SINK, TPP, BLOCK_N)
-            ring = t - t // RING * RING
-            k0, k1, k2, k3 = _chunk_rows(ws, ws, BLOCK_N * (DC + DR), 0, ring, n, valid, n, n, n, n, n, n,
-                                         n, n, NCH, DC, DCP, 16, 16, G, BLOCK_N, KV, INTERP)  # fmt: skip
-            kr = load_rows(ws + BLOCK_N * DC, ws, BLOCK_N * (DC + DR), 0, ring, n, valid, n, n,
-                           DR, DR, 16, 16, G, BLOCK_N, KV, INTERP)  # fmt: skip
-            m_i, l_i, a0, a1, a2, a3 = _step(q0, q1, q2, q3, qpe, k0, k1, k2, k3, kr, valid, m_i, l_i, a0, a1, a2, a3,
-                                             qk_scale, NCH, BLOCK_H, BLOCK_N, PV_SPLIT, IEEE, KV, INTERP)  # fmt: skip
-            _stage(ws, CRows, CCodes, CScale, CZero, ps_crows, ps_ccodes, ps_cscale, ps_czero, RRows, RCodes, RScale,
-                   RZero, ps_rrows, ps_rcodes, ps_rscale, ps_rzero, bt_row, t + RING - 1, t_hi, low_hi, SINK, TPP, DC,
-                   DR, G, C_BITS, R_BITS, C_W, R_W, PCH, BLOCK_N, KV, RING, INTERP)  # fmt: skip
-    else:
-        # The block-table entry and the small metadata loads of a tile are issued one tile ahead,
-        # so their latency hides behind the previous tile's work (the codes and rows themselves
-        # are software-pipelined by the compiler).
-        page = tl.load(BT + b * stride_bt + t_lo // TPP, mask=t_lo < t_hi, other=0).to(tl.int64)
-        slots, valid = _tile(t_lo, low_hi, SINK, TPP, BLOCK_N)
-        s0, z0, s1, z1, s2, z2, s3, z3 = _metas(CScale, CZero, ps_cscale, ps_czero, page, slots, valid, NCH,
+    # The block-table entry and the small metadata loads of a tile are issued one tile ahead,
+    # so their latency hides behind the previous tile's work (the codes and rows themselves
+    # are software-pipelined by the compiler).
+    page = tl.load(BT + b * stride_bt + t_lo // TPP, mask=t_lo < t_hi, other=0).to(tl.int64)
+    slots, valid = _tile(t_lo, low_hi, SINK, TPP, BLOCK_N)
+    s0, z0, s1, z1, s2, z2, s3, z3 = _metas(CScale, CZero, ps_cscale, ps_czero, page, slots, valid, NCH,
+                                            DC, DCP, C_BITS, G, BLOCK_N)  # fmt: skip
+    sr, zr = load_meta(RScale, RZero, ps_rscale, ps_rzero, page, slots, valid, DR, DR, R_BITS, G, BLOCK_N)
+    for t in range(t_lo, t_hi):
+        slots, valid = _tile(t, low_hi, SINK, TPP, BLOCK_N)
+        k0, k1, k2, k3 = _chunk_rows(CRows, CCodes, ps_crows, ps_ccodes, page, slots, valid, s0, z0, s1, z1, s2, z2,
+                                     s3, z3, NCH, DC, DCP, C_BITS, C_W, G, BLOCK_N, KV, INTERP)  # fmt: skip
+        kr = load_rows(RRows, RCodes, ps_rrows, ps_rcodes, page, slots, valid, sr, zr,
+                       DR, DR, R_BITS, R_W, G, BLOCK_N, KV, INTERP)  # fmt: skip
+        tn = tl.minimum(t + 1, t_hi - 1)
+        page = tl.load(BT + b * stride_bt + tn // TPP).to(tl.int64)
+        slots_n, valid_n = _tile(tn, low_hi, SINK, TPP, BLOCK_N)
+        s0, z0, s1, z1, s2, z2, s3, z3 = _metas(CScale, CZero, ps_cscale, ps_czero, page, slots_n, valid_n, NCH,
                                                 DC, DCP, C_BITS, G, BLOCK_N)  # fmt: skip
-        sr, zr = load_meta(RScale, RZero, ps_rscale, ps_rzero, page, slots, valid, DR, DR, R_BITS, G, BLOCK_N)
-        for t in range(t_lo, t_hi):
-            slots, valid = _tile(t, low_hi, SINK, TPP, BLOCK_N)
-            k0, k1, k2, k3 = _chunk_rows(CRows, CCodes, ps_crows, ps_ccodes, page, slots, valid, s0, z0, s1, z1, s2, z2,
-                                         s3, z3, NCH, DC, DCP, C_BITS, C_W, G, BLOCK_N, KV, INTERP)  # fmt: skip
-            kr = load_rows(RRows, RCodes, ps_rrows, ps_rcodes, page, slots, valid, sr, zr,
-                           DR, DR, R_BITS, R_W, G, BLOCK_N, KV, INTERP)  # fmt: skip
-            tn = tl.minimum(t + 1, t_hi - 1)
-            page = tl.load(BT + b * stride_bt + tn // TPP).to(tl.int64)
-            slots_n, valid_n = _tile(tn, low_hi, SINK, TPP, BLOCK_N)
-            s0, z0, s1, z1, s2, z2, s3, z3 = _metas(CScale, CZero, ps_cscale, ps_czero, page, slots_n, valid_n, NCH,
-                                                    DC, DCP, C_BITS, G, BLOCK_N)  # fmt: skip
-            sr, zr = load_meta(RScale, RZero, ps_rscale, ps_rzero, page, slots_n, valid_n, DR, DR, R_BITS, G, BLOCK_N)
-            m_i, l_i, a0, a1, a2, a3 = _step(q0, q1, q2, q3, qpe, k0, k1, k2, k3, kr, valid, m_i, l_i, a0, a1, a2, a3,
-                                             qk_scale, NCH, BLOCK_H, BLOCK_N, PV_SPLIT, IEEE, KV, INTERP)  # fmt: skip
+        sr, zr = load_meta(RScale, RZero, ps_rscale, ps_rzero, page, slots_n, valid_n, DR, DR, R_BITS, G, BLOCK_N)
+        m_i, l_i, a0, a1, a2, a3 = _step(q0, q1, q2, q3, qpe, k0, k1, k2, k3, kr, valid, m_i, l_i, a0, a1, a2, a3,
+                                         qk_scale, NCH, BLOCK_H, BLOCK_N, PV_SPLIT, IEEE, KV, INTERP)  # fmt: skip
     if HAS_PROT:
         if pid_s == tl.num_programs(1) - 1:  # the protected rows (sink, then the ring of the latest RECENT)
             ROWS: tl.constexpr = SINK + RECENT
@@ -544,15 +460,6 @@ def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | 
     lsep = torch.empty(B, H, splits, dtype=torch.float32, device=dev) if split else lse
     prot = layer.prot if layer.prot is not None else q
     grid = (triton.cdiv(H, block_h), splits, B)
-    ring = staging(fmt, cfg.get("staged", 0))
-    if ring and cfg["num_stages"] > 2:
-        raise ValueError(
-            f"decode config staged needs num_stages <= 2 (the ring is sized for one copy in flight); got {cfg}"
-        )
-    ws = q
-    if ring:  # a ring of reconstructed tiles per program (L2-resident while the program runs)
-        ws = torch.empty(grid[0] * grid[1] * grid[2] * ring * block_n * (fmt.d_c + fmt.d_r), dtype=fmt.dtype,
-                         device=dev)  # fmt: skip
     _decode_kernel[grid](
         q,
         qpe,
@@ -561,7 +468,6 @@ def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | 
         block_table,
         lengths,
         prot,
-        ws,
         *region_args(layer, "C"),
         *region_args(layer, "R"),
         H,
@@ -591,8 +497,6 @@ def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | 
         BLOCK_H=block_h,
         BLOCK_N=block_n,
         NCH=chunks(fmt, cfg.get("chunks", 1)),
-        STAGED=ring,
-        PCH=chunks(fmt, 4),
         SPLIT=split,
         PV_SPLIT=fmt.dtype != torch.float32 and cfg.get("pv_split", True),
         IEEE=fmt.dtype == torch.float32,
