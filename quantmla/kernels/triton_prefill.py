@@ -39,16 +39,19 @@ from quantmla.kernels.triton_decode import LOG2E
 
 
 @triton.jit
-def _tile(q, qpe, m_i, l_i, acc, k0, b, kv_len, tq, live, qk_scale, C, KP, stride_cb, stride_cl, stride_kb, stride_kl,
-          BT, stride_bt, CRows, CCodes, CScale, CZero, ps_crows, ps_ccodes, ps_cscale, ps_czero,
-          RRows, RCodes, RScale, RZero, ps_rrows, ps_rcodes, ps_rscale, ps_rzero,
+def _tile(q, qpe, m_i, l_i, acc, k0, b, kv_len, tq, live, qk_scale, given, stored,
           DC: tl.constexpr, DCP: tl.constexpr, DR: tl.constexpr, G: tl.constexpr, C_BITS: tl.constexpr,
           R_BITS: tl.constexpr, C_W: tl.constexpr, R_W: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
           PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PV_SPLIT: tl.constexpr,
           IEEE: tl.constexpr, KV: tl.constexpr, INTERP: tl.constexpr, MODE: tl.constexpr):  # fmt: skip
     """One key tile k0 .. k0 + BLOCK_N into the block's online softmax. MODE 0: the rows as given
     (16-bit cache); 1: the rows as given and the stored rows, chosen per pair by the protection
-    rule; 2: the stored rows alone (the caller knows no pair of this tile is protected)."""
+    rule; 2: the stored rows alone (the caller knows no pair of this tile is protected).
+    ``given`` holds the given rows' pointers and strides, ``stored`` the block table and both
+    paths' page regions (:func:`_tiles.region_args`)."""
+    C, KP, stride_cb, stride_cl, stride_kb, stride_kl = given
+    BT, stride_bt, CRows, CCodes, CScale, CZero, ps_crows, ps_ccodes, ps_cscale, ps_czero = stored[:10]
+    RRows, RCodes, RScale, RZero, ps_rrows, ps_rcodes, ps_rscale, ps_rzero = stored[10:]
     j = k0 + tl.arange(0, BLOCK_N)
     jv = j < kv_len
     dc = tl.arange(0, DCP)
@@ -181,6 +184,9 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DCP], tl.float32)
+    given = (C, KP, stride_cb, stride_cl, stride_kb, stride_kl)
+    stored = (BT, stride_bt, CRows, CCodes, CScale, CZero, ps_crows, ps_ccodes, ps_cscale, ps_czero,
+              RRows, RCodes, RScale, RZero, ps_rrows, ps_rcodes, ps_rscale, ps_rzero)  # fmt: skip
     t_max = tl.max(tl.where(live, tq, -1))
     n_keys = tl.minimum(t_max + 1, kv_len)
     if QUANT:
@@ -198,19 +204,14 @@ def _prefill_kernel(
             else:
                 start, end = hi, n_keys
             for k0 in range(start, end, BLOCK_N):
-                m_i, l_i, acc = _tile(q, qpe, m_i, l_i, acc, k0, b, kv_len, tq, live, qk_scale, C, KP, stride_cb,
-                                      stride_cl, stride_kb, stride_kl, BT, stride_bt, CRows, CCodes, CScale, CZero,
-                                      ps_crows, ps_ccodes, ps_cscale, ps_czero, RRows, RCodes, RScale, RZero,
-                                      ps_rrows, ps_rcodes, ps_rscale, ps_rzero, DC, DCP, DR, G, C_BITS, R_BITS, C_W,
-                                      R_W, SINK, RECENT, PAGE_SIZE, BLOCK_M, BLOCK_N, PV_SPLIT, IEEE, KV, INTERP,
-                                      2 if part == 1 else 1)  # fmt: skip
+                m_i, l_i, acc = _tile(q, qpe, m_i, l_i, acc, k0, b, kv_len, tq, live, qk_scale, given, stored, DC,
+                                      DCP, DR, G, C_BITS, R_BITS, C_W, R_W, SINK, RECENT, PAGE_SIZE, BLOCK_M, BLOCK_N,
+                                      PV_SPLIT, IEEE, KV, INTERP, 2 if part == 1 else 1)  # fmt: skip
     else:
         for k0 in range(0, n_keys, BLOCK_N):
-            m_i, l_i, acc = _tile(q, qpe, m_i, l_i, acc, k0, b, kv_len, tq, live, qk_scale, C, KP, stride_cb,
-                                  stride_cl, stride_kb, stride_kl, BT, stride_bt, CRows, CCodes, CScale, CZero,
-                                  ps_crows, ps_ccodes, ps_cscale, ps_czero, RRows, RCodes, RScale, RZero, ps_rrows,
-                                  ps_rcodes, ps_rscale, ps_rzero, DC, DCP, DR, G, C_BITS, R_BITS, C_W, R_W, SINK,
-                                  RECENT, PAGE_SIZE, BLOCK_M, BLOCK_N, PV_SPLIT, IEEE, KV, INTERP, 0)  # fmt: skip
+            m_i, l_i, acc = _tile(q, qpe, m_i, l_i, acc, k0, b, kv_len, tq, live, qk_scale, given, stored, DC, DCP,
+                                  DR, G, C_BITS, R_BITS, C_W, R_W, SINK, RECENT, PAGE_SIZE, BLOCK_M, BLOCK_N, PV_SPLIT,
+                                  IEEE, KV, INTERP, 0)  # fmt: skip
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
