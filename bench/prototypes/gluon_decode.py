@@ -209,7 +209,7 @@ def _gluon_decode_kernel(Q, QPE, O, LSE, BT, LENS, PROT,
     tok3 = gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
     g3 = gl.arange(0, NG, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
     w3 = gl.arange(0, WG, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
-    woff = tok3[:, None, None] * (DC // 8) + g3[None, :, None] * WG + w3[None, None, :]  # int32 words
+    woff = (g3[None, :, None] * BN + tok3[:, None, None]) * WG + w3[None, None, :]  # int32 words, group-major
     moff = tok3[:, None] * NG + g3[None, :]
     tokr = gl.arange(0, BN, layout=gl.SliceLayout(1, LR))
     wr = gl.arange(0, DR // 8, layout=gl.SliceLayout(0, LR))

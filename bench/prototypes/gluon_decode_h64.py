@@ -1,0 +1,391 @@
+"""Prototype, not used by the harness: C4R4 decode in 64-head blocks (Gluon, Hopper), each tile
+reconstructed while the tensor cores run the one before.
+
+Written to measure the overlap the Triton kernel cannot express (bench/NOTES.md, v15): Triton 3.6
+waits for every wgmma whose operand was reconstructed in registers right after issuing it. Here
+the products are asynchronous and the reconstruction of tile t + 1 runs between issuing the
+scores of tile t and waiting for them:
+
+    issue S_t = C_t q^T (+ K_P,t q_pe^T)       (wgmma, async, tokens on M, 64 heads on N)
+    wait for P·V of tile t − 1, barrier         (its buffer and P are free again)
+    reconstruct tile t + 1 into the other buffer; load the codes of tile t + 2
+    wait for S_t; online softmax; P^T to shared memory; fence, barrier
+    issue O^T += C_t^T P^T                      (wgmma, async, waited for in iteration t + 1)
+
+Two buffers of 64 tokens × 576 channels (144 KB), the query block (72 KB) and P (8 KB) fill 224 of
+the H200's 227 KB of shared memory. 8 warps: the scores split the 64 heads over the two
+warpgroups, P·V the 512 output channels, in four 128-channel chunks of O^T (128 registers per
+thread). C4R4 in a BF16 cache only, d_c = 512, d_r = 64, group 64, protection buffers on, P as
+one BF16 tile (the Triton kernel's default above 16 heads); ``gluon_check_h64.py`` compares it
+with the Triton kernel and times both. Gluon has no interpreter: this file needs a Hopper GPU.
+The channel order inside each 8-channel block is permuted as in ``gluon_decode.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from gluon_decode import _W_BF16, _W_F32, LOG2E, _dequant_words, _prot_valid
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from quantmla.kernels._tiles import region_args
+
+
+@gluon.jit
+def _perm(c):
+    """Channel held by column ``c`` (columns 8k+p hold channel 8k+PERM8[p])."""
+    return (c // 8) * 8 + gl.where((c % 8) < 4, (c % 8) * 2, ((c % 8) - 4) * 2 + 1)
+
+
+@gluon.jit
+def _chunk_codes(cw, CScale, CZero, page, ok, J: gl.constexpr, ps_ccodes, ps_cscale, ps_czero, tok3,
+                 g3, w3, BN: gl.constexpr, WG: gl.constexpr, NG: gl.constexpr, GC: gl.constexpr):  # fmt: skip
+    """Code words (BN, GC, WG), scales and zero-points (BN, GC) of content chunk J of a tile
+    (codes are group-major in a page: group g of token n at word (g·BN + n)·WG)."""
+    g = J * GC + g3
+    words = gl.load(
+        cw + page * (ps_ccodes // 4) + (g[None, :, None] * BN + tok3[:, None, None]) * WG + w3[None, None, :]
+    )
+    moff = tok3[:, None] * NG + g[None, :]
+    sc = gl.load(CScale + page * ps_cscale + moff, mask=ok[:, None], other=0.0)
+    zc = gl.load(CZero + page * ps_czero + moff)
+    return words, sc, (-(zc.to(gl.float32) + 128.0)).to(gl.bfloat16)
+
+
+@gluon.jit
+def _codes_lo(cw, CScale, CZero, page, t, low_hi, ps_ccodes, ps_cscale, ps_czero, tok3, g3, w3,
+              SINK: gl.constexpr, BN: gl.constexpr, WG: gl.constexpr, NG: gl.constexpr, GC: gl.constexpr):  # fmt: skip
+    """Content chunks 0 and 1 of tile ``t`` on ``page``, in registers."""
+    offs3 = t * BN + tok3
+    ok3 = (offs3 < low_hi) & (offs3 >= SINK)
+    w0, s0, z0 = _chunk_codes(cw, CScale, CZero, page, ok3, 0, ps_ccodes, ps_cscale, ps_czero, tok3, g3, w3,
+                              BN, WG, NG, GC)  # fmt: skip
+    w1, s1, z1 = _chunk_codes(cw, CScale, CZero, page, ok3, 1, ps_ccodes, ps_cscale, ps_czero, tok3, g3, w3,
+                              BN, WG, NG, GC)  # fmt: skip
+    return w0, s0, z0, w1, s1, z1
+
+
+@gluon.jit
+def _codes_hi(cw, CScale, CZero, rw, RScale, RZero, page, t, low_hi, ps_ccodes, ps_cscale, ps_czero, ps_rcodes,
+              ps_rscale, ps_rzero, tok3, g3, w3, tokr, wr, SINK: gl.constexpr, BN: gl.constexpr, WG: gl.constexpr,
+              NG: gl.constexpr, GC: gl.constexpr):  # fmt: skip
+    """Content chunks 2 and 3 and the RoPE rows of tile ``t`` on ``page``, in registers."""
+    offs3 = t * BN + tok3
+    ok3 = (offs3 < low_hi) & (offs3 >= SINK)
+    w2, s2, z2 = _chunk_codes(cw, CScale, CZero, page, ok3, 2, ps_ccodes, ps_cscale, ps_czero, tok3, g3, w3,
+                              BN, WG, NG, GC)  # fmt: skip
+    w3_, s3, z3 = _chunk_codes(cw, CScale, CZero, page, ok3, 3, ps_ccodes, ps_cscale, ps_czero, tok3, g3, w3,
+                               BN, WG, NG, GC)  # fmt: skip
+    offsr = t * BN + tokr
+    okr = (offsr < low_hi) & (offsr >= SINK)
+    rwords = gl.load(rw + page * (ps_rcodes // 4) + tokr[:, None] * 8 + wr[None, :])
+    sr = gl.load(RScale + page * ps_rscale + tokr, mask=okr, other=0.0)
+    zr = gl.load(RZero + page * ps_rzero + tokr)
+    nzr = (-(zr.to(gl.float32) + 128.0)).to(gl.bfloat16)
+    return w2, s2, z2, w3_, s3, z3, rwords, sr, nzr
+
+
+@gluon.jit
+def _store_chunk(c_smem, i, w, s, nz, BN: gl.constexpr, CW: gl.constexpr):
+    x = _dequant_words(w, s[:, :, None], nz[:, :, None], _W_BF16, "h")
+    c_smem.index(i).store(gl.reshape(x, [BN, CW]))
+
+
+@gluon.jit
+def _rebuild_hi(c_smem, r_smem, buf, w2, s2, z2, w3, s3, z3, rwords, sr, nzr, BN: gl.constexpr, CW: gl.constexpr,
+                DR: gl.constexpr):  # fmt: skip
+    """Content chunks 2 and 3 and the RoPE rows of a tile into buffer ``buf``."""
+    _store_chunk(c_smem, 4 * buf + 2, w2, s2, z2, BN, CW)
+    _store_chunk(c_smem, 4 * buf + 3, w3, s3, z3, BN, CW)
+    xr = _dequant_words(rwords, sr[:, None], nzr[:, None], _W_F32, "r")
+    r_smem.index(buf).store(gl.reshape(xr, [BN, DR]))
+
+
+@gluon.jit
+def _scores(c_smem, r_smem, q_smem, qp_smem, buf, BN: gl.constexpr, BH: gl.constexpr, ACC_S: gl.constexpr):
+    """Issue S^T = C q^T + K_P q_pe^T for the tile in buffer ``buf`` (five async wgmma groups)."""
+    s = gl.zeros([BN, BH], gl.float32, layout=ACC_S)
+    s = warpgroup_mma(c_smem.index(4 * buf + 0), q_smem.index(0).permute((1, 0)), s, use_acc=False, is_async=True)
+    s = warpgroup_mma(c_smem.index(4 * buf + 1), q_smem.index(1).permute((1, 0)), s, is_async=True)
+    s = warpgroup_mma(c_smem.index(4 * buf + 2), q_smem.index(2).permute((1, 0)), s, is_async=True)
+    s = warpgroup_mma(c_smem.index(4 * buf + 3), q_smem.index(3).permute((1, 0)), s, is_async=True)
+    return warpgroup_mma(r_smem.index(buf), qp_smem.permute((1, 0)), s, is_async=True)
+
+
+@gluon.jit
+def _softmax(s, valid, m_i, l_i, qk_scale, ACC_O: gl.constexpr):
+    s = gl.where(valid[:, None], s * qk_scale, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 0))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(s - m_safe[None, :])
+    l_i = l_i * alpha + gl.sum(p, 0)
+    return m_new, l_i, p, gl.convert_layout(alpha, gl.SliceLayout(0, ACC_O))
+
+
+@gluon.jit
+def _pv(c_smem, ph_smem, buf, a0, a1, a2, a3):
+    """Issue O^T += C^T P^T for the tile in buffer ``buf`` (four async wgmma groups, one per chunk)."""
+    a0 = warpgroup_mma(c_smem.index(4 * buf + 0).permute((1, 0)), ph_smem, a0, is_async=True)
+    a1 = warpgroup_mma(c_smem.index(4 * buf + 1).permute((1, 0)), ph_smem, a1, is_async=True)
+    a2 = warpgroup_mma(c_smem.index(4 * buf + 2).permute((1, 0)), ph_smem, a2, is_async=True)
+    a3 = warpgroup_mma(c_smem.index(4 * buf + 3).permute((1, 0)), ph_smem, a3, is_async=True)
+    return a0, a1, a2, a3
+
+
+@gluon.jit
+def _step(c_smem, r_smem, cur, q_smem, qp_smem, ph_smem, t, t_hi, low_hi, m_i, l_i, a0, a1, a2, a3,
+          w0, s0, z0, w1, s1, z1, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, page, qk_scale, cw, CScale, CZero, rw,
+          RScale, RZero, bt_row, ps_ccodes, ps_cscale, ps_czero, ps_rcodes, ps_rscale, ps_rzero, tok3, g3, w3, tokr,
+          wr, tok_s, SINK: gl.constexpr, BN: gl.constexpr, BH: gl.constexpr, CW: gl.constexpr, DR: gl.constexpr,
+          WG: gl.constexpr, NG: gl.constexpr, GC: gl.constexpr, ACC_S: gl.constexpr, ACC_O: gl.constexpr,
+          REBUILD_S: gl.constexpr, PAGE_AHEAD: gl.constexpr):  # fmt: skip
+    """Tile ``t`` (already in buffer ``cur``) into the online softmax, while tile t + 1 (its codes
+    in registers) is reconstructed into the other buffer and tile t + 2's codes are loaded."""
+    t2 = gl.minimum(t + 2, t_hi - 1)
+    nxt = 1 - cur
+    s = _scores(c_smem, r_smem, q_smem, qp_smem, cur, BN, BH, ACC_S)
+    # while the tensor cores run the scores: REBUILD_S of tile t + 1's four content chunks (2 or 4,
+    # with the RoPE rows if 4) into the other buffer (free: the P·V that read it was waited for at
+    # the end of the previous step)
+    _store_chunk(c_smem, 4 * nxt + 0, w0, s0, z0, BN, CW)
+    _store_chunk(c_smem, 4 * nxt + 1, w1, s1, z1, BN, CW)
+    if REBUILD_S == 4:
+        _rebuild_hi(c_smem, r_smem, nxt, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, BN, CW, DR)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    offs_s = t * BN + tok_s
+    valid = (offs_s < low_hi) & (offs_s >= SINK)
+    m_i, l_i, p, alpha = _softmax(s, valid, m_i, l_i, qk_scale, ACC_O)
+    a0 = a0 * alpha[None, :]
+    a1 = a1 * alpha[None, :]
+    a2 = a2 * alpha[None, :]
+    a3 = a3 * alpha[None, :]
+    ph_smem.store(p.to(gl.bfloat16))
+    fence_async_shared()
+    gl.thread_barrier()
+    a0, a1, a2, a3 = _pv(c_smem, ph_smem, cur, a0, a1, a2, a3)
+    # while they run P·V: the rest of tile t + 1, then tile t + 2's codes (their page read a step
+    # ahead with PAGE_AHEAD, else just before them)
+    if REBUILD_S == 2:
+        _rebuild_hi(c_smem, r_smem, nxt, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, BN, CW, DR)
+    if not PAGE_AHEAD:
+        page = gl.load(bt_row + t2).to(gl.int64)
+    w0, s0, z0, w1, s1, z1 = _codes_lo(cw, CScale, CZero, page, t2, low_hi, ps_ccodes, ps_cscale, ps_czero,
+                                       tok3, g3, w3, SINK, BN, WG, NG, GC)  # fmt: skip
+    w2, s2, z2, w3_, s3, z3, rwd, sr, nzr = _codes_hi(
+        cw, CScale, CZero, rw, RScale, RZero, page, t2, low_hi, ps_ccodes, ps_cscale, ps_czero, ps_rcodes,
+        ps_rscale, ps_rzero, tok3, g3, w3, tokr, wr, SINK, BN, WG, NG, GC)  # fmt: skip
+    if PAGE_AHEAD:
+        page = gl.load(bt_row + gl.minimum(t + 3, t_hi - 1)).to(gl.int64)
+    # (an accumulator still in flight across the loop's back edge makes ptxas serialize every
+    # wgmma, so P·V is waited for within the step)
+    a0, a1, a2, a3 = warpgroup_mma_wait(num_outstanding=0, deps=(a0, a1, a2, a3))
+    fence_async_shared()
+    gl.thread_barrier()
+    return m_i, l_i, a0, a1, a2, a3, w0, s0, z0, w1, s1, z1, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, page
+
+
+@gluon.jit
+def _store_out(O, o_base, a, inv, J: gl.constexpr, CW: gl.constexpr, hmask, ACC_O: gl.constexpr):
+    oc = J * CW + gl.arange(0, CW, layout=gl.SliceLayout(1, ACC_O))
+    gl.store(o_base + _perm(oc)[:, None], a * inv[None, :], mask=hmask[None, :])
+
+
+@gluon.jit
+def _h64_decode_kernel(Q, QPE, O, LSE, BT, LENS, PROT,
+                       CCodes, CScale, CZero, ps_ccodes, ps_cscale, ps_czero,
+                       RCodes, RScale, RZero, ps_rcodes, ps_rscale, ps_rzero,
+                       H, stride_qb, stride_qh, stride_rb, stride_rh, stride_pb,
+                       stride_ob, stride_oh, stride_os, stride_bt, tiles_per_split, qk_scale,
+                       SINK: gl.constexpr, RECENT: gl.constexpr, SPLIT: gl.constexpr, REBUILD_S: gl.constexpr,
+                       PAGE_AHEAD: gl.constexpr):  # fmt: skip
+    DC: gl.constexpr = 512
+    DR: gl.constexpr = 64
+    BN: gl.constexpr = 64
+    BH: gl.constexpr = 64
+    NG: gl.constexpr = 8
+    WG: gl.constexpr = 8  # 32-bit words per 64-channel group and token
+    NCH: gl.constexpr = 4
+    CW: gl.constexpr = DC // NCH
+    GC: gl.constexpr = NG // NCH
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 2, 2], [8, 1, 1], [2, 1, 0])  # (tokens, groups, words)
+    LR: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [8, 1], [1, 0])  # (tokens, RoPE words)
+    LQ: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])  # (64, 128) BF16 rows
+    LQR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # (64, 64) BF16 rows
+    ACC_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
+    ACC_O: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, 64, 16])
+    c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, CW], gl.bfloat16)
+    r_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, DR], gl.bfloat16)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, CW], gl.bfloat16)
+    qp_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, DR], gl.bfloat16)
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BH], gl.bfloat16)
+    c_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * NCH, BN, CW], c_layout)  # two tile buffers
+    r_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BN, DR], r_layout)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [NCH, BH, CW], q_layout)
+    qp_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, DR], qp_layout)
+    ph_smem = gl.allocate_shared_memory(gl.bfloat16, [BN, BH], p_layout)
+
+    pid_h = gl.program_id(0)
+    pid_s = gl.program_id(1)
+    b = gl.program_id(2).to(gl.int64)
+    L = gl.load(LENS + b).to(gl.int32)
+
+    qh = pid_h * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, LQ))
+    qc = gl.arange(0, CW, layout=gl.SliceLayout(0, LQ))
+    q_rows = Q + b * stride_qb + qh[:, None] * stride_qh
+    for j in gl.static_range(NCH):
+        q_smem.index(j).store(gl.load(q_rows + j * CW + _perm(qc)[None, :], mask=qh[:, None] < H, other=0.0))
+    rh = pid_h * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, LQR))
+    rc = gl.arange(0, DR, layout=gl.SliceLayout(0, LQR))
+    qpe = gl.load(QPE + b * stride_rb + rh[:, None] * stride_rh + _perm(rc)[None, :], mask=rh[:, None] < H, other=0.0)
+    qp_smem.store(qpe)
+
+    n_tiles = gl.cdiv(L, BN)
+    t_lo = pid_s * tiles_per_split
+    t_hi = gl.minimum(t_lo + tiles_per_split, n_tiles)
+    low_hi = L - RECENT
+    m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(0, ACC_S))
+    l_i = gl.zeros([BH], gl.float32, layout=gl.SliceLayout(0, ACC_S))
+    a0 = gl.zeros([CW, BH], gl.float32, layout=ACC_O)
+    a1 = a0
+    a2 = a0
+    a3 = a0
+
+    tok3 = gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+    g3 = gl.arange(0, GC, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+    w3 = gl.arange(0, WG, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    tokr = gl.arange(0, BN, layout=gl.SliceLayout(1, LR))
+    wr = gl.arange(0, DR // 8, layout=gl.SliceLayout(0, LR))
+    tok_s = gl.arange(0, BN, layout=gl.SliceLayout(1, ACC_S))
+    cw = CCodes.to(gl.pointer_type(gl.int32))
+    rw = RCodes.to(gl.pointer_type(gl.int32))
+    bt_row = BT + b * stride_bt
+
+    if t_lo < t_hi:
+        # prologue: tile t_lo into buffer 0; the codes of t_lo + 1 in registers; the page of t_lo + 2
+        page = gl.load(bt_row + t_lo).to(gl.int64)
+        w0, s0, z0, w1, s1, z1 = _codes_lo(cw, CScale, CZero, page, t_lo, low_hi, ps_ccodes, ps_cscale, ps_czero,
+                                           tok3, g3, w3, SINK, BN, WG, NG, GC)  # fmt: skip
+        w2, s2, z2, w3_, s3, z3, rwd, sr, nzr = _codes_hi(
+            cw, CScale, CZero, rw, RScale, RZero, page, t_lo, low_hi, ps_ccodes, ps_cscale, ps_czero, ps_rcodes,
+            ps_rscale, ps_rzero, tok3, g3, w3, tokr, wr, SINK, BN, WG, NG, GC)  # fmt: skip
+        _store_chunk(c_smem, 0, w0, s0, z0, BN, CW)
+        _store_chunk(c_smem, 1, w1, s1, z1, BN, CW)
+        _rebuild_hi(c_smem, r_smem, 0, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, BN, CW, DR)
+        t1 = gl.minimum(t_lo + 1, t_hi - 1)
+        page = gl.load(bt_row + t1).to(gl.int64)
+        w0, s0, z0, w1, s1, z1 = _codes_lo(cw, CScale, CZero, page, t1, low_hi, ps_ccodes, ps_cscale, ps_czero,
+                                           tok3, g3, w3, SINK, BN, WG, NG, GC)  # fmt: skip
+        w2, s2, z2, w3_, s3, z3, rwd, sr, nzr = _codes_hi(
+            cw, CScale, CZero, rw, RScale, RZero, page, t1, low_hi, ps_ccodes, ps_cscale, ps_czero, ps_rcodes,
+            ps_rscale, ps_rzero, tok3, g3, w3, tokr, wr, SINK, BN, WG, NG, GC)  # fmt: skip
+        page = gl.load(bt_row + gl.minimum(t_lo + 2, t_hi - 1)).to(gl.int64)
+        fence_async_shared()
+        gl.thread_barrier()
+        for t in range(t_lo, t_hi):
+            m_i, l_i, a0, a1, a2, a3, w0, s0, z0, w1, s1, z1, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, page = _step(
+                c_smem, r_smem, (t - t_lo) % 2, q_smem, qp_smem, ph_smem, t, t_hi, low_hi, m_i, l_i, a0, a1, a2, a3,
+                w0, s0, z0, w1, s1, z1, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, page, qk_scale, cw, CScale, CZero, rw,
+                RScale, RZero, bt_row, ps_ccodes, ps_cscale, ps_czero, ps_rcodes, ps_rscale, ps_rzero, tok3, g3, w3,
+                tokr, wr, tok_s, SINK, BN, BH, CW, DR, WG, NG, GC, ACC_S, ACC_O, REBUILD_S, PAGE_AHEAD)  # fmt: skip
+
+    if pid_s == gl.num_programs(1) - 1:  # the protected rows: sink rows, then the ring of the latest RECENT
+        pc = gl.arange(0, CW, layout=gl.SliceLayout(0, LQ))
+        pr = gl.arange(0, DR, layout=gl.SliceLayout(0, LQR))
+        for r0 in range(0, SINK + RECENT, BN):
+            r = r0 + gl.arange(0, BN, layout=gl.SliceLayout(1, LQ))
+            ok = _prot_valid(r, L, SINK, RECENT)
+            rows = PROT + b * stride_pb + r[:, None] * (DC + DR)
+            for j in gl.static_range(NCH):
+                c_smem.index(j).store(gl.load(rows + j * CW + _perm(pc)[None, :], mask=ok[:, None], other=0.0))
+            rr = r0 + gl.arange(0, BN, layout=gl.SliceLayout(1, LQR))
+            okr = _prot_valid(rr, L, SINK, RECENT)
+            kr = gl.load(PROT + b * stride_pb + rr[:, None] * (DC + DR) + DC + _perm(pr)[None, :], mask=okr[:, None],
+                         other=0.0)  # fmt: skip
+            r_smem.index(0).store(kr)
+            fence_async_shared()
+            gl.thread_barrier()
+            s = _scores(c_smem, r_smem, q_smem, qp_smem, 0, BN, BH, ACC_S)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            valid = _prot_valid(r0 + tok_s, L, SINK, RECENT)
+            m_i, l_i, p, alpha = _softmax(s, valid, m_i, l_i, qk_scale, ACC_O)
+            a0 = a0 * alpha[None, :]
+            a1 = a1 * alpha[None, :]
+            a2 = a2 * alpha[None, :]
+            a3 = a3 * alpha[None, :]
+            ph_smem.store(p.to(gl.bfloat16))
+            fence_async_shared()
+            gl.thread_barrier()
+            a0, a1, a2, a3 = _pv(c_smem, ph_smem, 0, a0, a1, a2, a3)
+            a0, a1, a2, a3 = warpgroup_mma_wait(num_outstanding=0, deps=(a0, a1, a2, a3))
+            gl.thread_barrier()
+
+    has = l_i > 0
+    lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    inv = gl.convert_layout(1.0 / gl.where(has, l_i, 1.0), gl.SliceLayout(0, ACC_O))
+    oh = pid_h * BH + gl.arange(0, BH, layout=gl.SliceLayout(0, ACC_O))
+    hmask = oh < H
+    o_base = O + b * stride_ob + oh[None, :] * stride_oh + pid_s * stride_os
+    _store_out(O, o_base, a0, inv, 0, CW, hmask, ACC_O)
+    _store_out(O, o_base, a1, inv, 1, CW, hmask, ACC_O)
+    _store_out(O, o_base, a2, inv, 2, CW, hmask, ACC_O)
+    _store_out(O, o_base, a3, inv, 3, CW, hmask, ACC_O)
+    lh = pid_h * BH + gl.arange(0, BH, layout=gl.SliceLayout(0, ACC_S))
+    if SPLIT:
+        gl.store(LSE + (b * H + lh) * gl.num_programs(1) + pid_s, lse, mask=lh < H)
+    else:
+        gl.store(LSE + b * H + lh, lse, mask=lh < H)
+
+
+def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, num_splits: int, max_len: int, rebuild_s: int = 2,
+           page_ahead: bool = False):  # fmt: skip
+    """C4R4 BF16 decode through the prototype; returns (o, lse) like triton_decode.decode. ``rebuild_s``:
+    content chunks of the next tile reconstructed while the scores run (2 or 4; the rest while P·V
+    runs); ``page_ahead``: read each tile's block-table entry a step before its codes."""
+    from quantmla.kernels.triton_decode import _combine_kernel
+
+    if rebuild_s not in (2, 4):
+        raise ValueError(f"rebuild_s must be 2 or 4, got {rebuild_s}")
+    fmt = layer.fmt
+    if (fmt.content_bits, fmt.rope_bits, fmt.dtype, fmt.group, fmt.d_c, fmt.d_r) != (4, 4, torch.bfloat16, 64, 512, 64):
+        raise ValueError(f"the prototype takes C4R4 in a BF16 cache, group 64, d_c 512, d_r 64; got {fmt}")
+    if layer.prot is None:
+        raise ValueError("the prototype needs the protection buffers (sink and recent rows)")
+    B, H, _ = q_lat.shape
+    dev = q_lat.device
+    tiles = max(1, triton.cdiv(max_len, 64))
+    splits = max(1, min(num_splits, tiles))
+    per = triton.cdiv(tiles, splits)
+    splits = triton.cdiv(tiles, per)
+    q = q_lat.to(torch.bfloat16).contiguous()
+    qpe = q_pe.to(torch.bfloat16).contiguous()
+    o = torch.empty(B, H, fmt.d_c, dtype=torch.float32, device=dev)
+    lse = torch.empty(B, H, dtype=torch.float32, device=dev)
+    split = splits > 1
+    op = torch.empty(B, H, splits, fmt.d_c, dtype=torch.float32, device=dev) if split else o.unsqueeze(2)
+    lsep = torch.empty(B, H, splits, dtype=torch.float32, device=dev) if split else lse
+    prot = layer.prot
+    c = region_args(layer, "C")
+    r = region_args(layer, "R")
+    _h64_decode_kernel[(triton.cdiv(H, 64), splits, B)](
+        q, qpe, op, lsep, block_table, lengths, prot,
+        c[1], c[2], c[3], c[5], c[6], c[7],
+        r[1], r[2], r[3], r[5], r[6], r[7],
+        H, q.stride(0), q.stride(1), qpe.stride(0), qpe.stride(1), prot.stride(0),
+        op.stride(0), op.stride(1), op.stride(2), block_table.stride(0), per, tau * LOG2E,
+        SINK=layer.sink, RECENT=layer.recent, SPLIT=split, REBUILD_S=rebuild_s, PAGE_AHEAD=page_ahead, num_warps=8,
+    )  # fmt: skip
+    if split:
+        _combine_kernel[(B * H, fmt.d_c // 64)](
+            op, lsep, o, lse, splits, DC=fmt.d_c, BLOCK_S=min(32, triton.next_power_of_2(splits)), BLOCK_D=64
+        )
+    return o, lse
+
+
+__all__ = ["decode"]
