@@ -192,6 +192,47 @@ def _step(c_smem, r_smem, cur, q_smem, qp_smem, ph_smem, t, t_hi, low_hi, m_i, l
 
 
 @gluon.jit
+def _step_rot(c_smem, r_smem, cur, q_smem, qp_smem, ph_smem, t, t_hi, low_hi, s, m_i, l_i, a0, a1, a2, a3,
+              w0, s0, z0, w1, s1, z1, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, page, qk_scale, cw, CScale, CZero, rw,
+              RScale, RZero, bt_row, ps_ccodes, ps_cscale, ps_czero, ps_rcodes, ps_rscale, ps_rzero, tok3, g3, w3,
+              tokr, wr, tok_s, SINK: gl.constexpr, BN: gl.constexpr, BH: gl.constexpr, CW: gl.constexpr,
+              DR: gl.constexpr, WG: gl.constexpr, NG: gl.constexpr, GC: gl.constexpr, ACC_S: gl.constexpr,
+              ACC_O: gl.constexpr):  # fmt: skip
+    """:func:`_step` with the scores of tile t already issued (by the step before) and those of tile
+    t + 1 issued right behind this tile's P·V, so the tensor cores run the two back to back."""
+    t2 = gl.minimum(t + 2, t_hi - 1)
+    nxt = 1 - cur
+    # while the tensor cores run the scores of tile t: tile t + 1 into the other buffer
+    _store_chunk(c_smem, 4 * nxt + 0, w0, s0, z0, BN, CW)
+    _store_chunk(c_smem, 4 * nxt + 1, w1, s1, z1, BN, CW)
+    _rebuild_hi(c_smem, r_smem, nxt, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, BN, CW, DR)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    offs_s = t * BN + tok_s
+    valid = (offs_s < low_hi) & (offs_s >= SINK)
+    m_i, l_i, p, alpha = _softmax(s, valid, m_i, l_i, qk_scale, ACC_O)
+    a0 = a0 * alpha[None, :]
+    a1 = a1 * alpha[None, :]
+    a2 = a2 * alpha[None, :]
+    a3 = a3 * alpha[None, :]
+    ph_smem.store(p.to(gl.bfloat16))
+    fence_async_shared()
+    gl.thread_barrier()  # P and tile t + 1 visible to both warpgroups' wgmma
+    a0, a1, a2, a3 = _pv(c_smem, ph_smem, cur, a0, a1, a2, a3)
+    s = _scores(c_smem, r_smem, q_smem, qp_smem, nxt, BN, BH, ACC_S)
+    w0, s0, z0, w1, s1, z1 = _codes_lo(cw, CScale, CZero, page, t2, low_hi, ps_ccodes, ps_cscale, ps_czero,
+                                       tok3, g3, w3, SINK, BN, WG, NG, GC)  # fmt: skip
+    w2, s2, z2, w3_, s3, z3, rwd, sr, nzr = _codes_hi(
+        cw, CScale, CZero, rw, RScale, RZero, page, t2, low_hi, ps_ccodes, ps_cscale, ps_czero, ps_rcodes,
+        ps_rscale, ps_rzero, tok3, g3, w3, tokr, wr, SINK, BN, WG, NG, GC)  # fmt: skip
+    page = gl.load(bt_row + gl.minimum(t + 3, t_hi - 1)).to(gl.int64)
+    # P·V of this tile done (the five score groups behind it may still run): its buffer and P are
+    # free for the next step once both warpgroups are past this barrier
+    a0, a1, a2, a3 = warpgroup_mma_wait(num_outstanding=5, deps=(a0, a1, a2, a3))
+    gl.thread_barrier()
+    return s, m_i, l_i, a0, a1, a2, a3, w0, s0, z0, w1, s1, z1, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, page
+
+
+@gluon.jit
 def _store_out(O, o_base, a, inv, J: gl.constexpr, CW: gl.constexpr, hmask, ACC_O: gl.constexpr):
     oc = J * CW + gl.arange(0, CW, layout=gl.SliceLayout(1, ACC_O))
     gl.store(o_base + _perm(oc)[:, None], a * inv[None, :], mask=hmask[None, :])
@@ -204,7 +245,7 @@ def _h64_decode_kernel(Q, QPE, O, LSE, BT, LENS, PROT,
                        H, stride_qb, stride_qh, stride_rb, stride_rh, stride_pb,
                        stride_ob, stride_oh, stride_os, stride_bt, tiles_per_split, qk_scale,
                        SINK: gl.constexpr, RECENT: gl.constexpr, SPLIT: gl.constexpr, REBUILD_S: gl.constexpr,
-                       PAGE_AHEAD: gl.constexpr):  # fmt: skip
+                       PAGE_AHEAD: gl.constexpr, ROTATE: gl.constexpr):  # fmt: skip
     DC: gl.constexpr = 512
     DR: gl.constexpr = 64
     BN: gl.constexpr = 64
@@ -288,12 +329,24 @@ def _h64_decode_kernel(Q, QPE, O, LSE, BT, LENS, PROT,
         page = gl.load(bt_row + gl.minimum(t_lo + 2, t_hi - 1)).to(gl.int64)
         fence_async_shared()
         gl.thread_barrier()
-        for t in range(t_lo, t_hi):
-            m_i, l_i, a0, a1, a2, a3, w0, s0, z0, w1, s1, z1, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, page = _step(
-                c_smem, r_smem, (t - t_lo) % 2, q_smem, qp_smem, ph_smem, t, t_hi, low_hi, m_i, l_i, a0, a1, a2, a3,
-                w0, s0, z0, w1, s1, z1, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, page, qk_scale, cw, CScale, CZero, rw,
-                RScale, RZero, bt_row, ps_ccodes, ps_cscale, ps_czero, ps_rcodes, ps_rscale, ps_rzero, tok3, g3, w3,
-                tokr, wr, tok_s, SINK, BN, BH, CW, DR, WG, NG, GC, ACC_S, ACC_O, REBUILD_S, PAGE_AHEAD)  # fmt: skip
+        if ROTATE:
+            s = _scores(c_smem, r_smem, q_smem, qp_smem, 0, BN, BH, ACC_S)
+            for t in range(t_lo, t_hi):
+                s, m_i, l_i, a0, a1, a2, a3, w0, s0, z0, w1, s1, z1, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, page = (
+                    _step_rot(c_smem, r_smem, (t - t_lo) % 2, q_smem, qp_smem, ph_smem, t, t_hi, low_hi, s, m_i, l_i,
+                              a0, a1, a2, a3, w0, s0, z0, w1, s1, z1, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, page,
+                              qk_scale, cw, CScale, CZero, rw, RScale, RZero, bt_row, ps_ccodes, ps_cscale, ps_czero,
+                              ps_rcodes, ps_rscale, ps_rzero, tok3, g3, w3, tokr, wr, tok_s, SINK, BN, BH, CW, DR, WG,
+                              NG, GC, ACC_S, ACC_O))  # fmt: skip
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))  # the scores issued past the last tile
+            gl.thread_barrier()
+        else:
+            for t in range(t_lo, t_hi):
+                m_i, l_i, a0, a1, a2, a3, w0, s0, z0, w1, s1, z1, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, page = _step(
+                    c_smem, r_smem, (t - t_lo) % 2, q_smem, qp_smem, ph_smem, t, t_hi, low_hi, m_i, l_i, a0, a1, a2, a3,
+                    w0, s0, z0, w1, s1, z1, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, page, qk_scale, cw, CScale, CZero, rw,
+                    RScale, RZero, bt_row, ps_ccodes, ps_cscale, ps_czero, ps_rcodes, ps_rscale, ps_rzero, tok3, g3, w3,
+                    tokr, wr, tok_s, SINK, BN, BH, CW, DR, WG, NG, GC, ACC_S, ACC_O, REBUILD_S, PAGE_AHEAD)  # fmt: skip
 
     if pid_s == gl.num_programs(1) - 1:  # the protected rows: sink rows, then the ring of the latest RECENT
         pc = gl.arange(0, CW, layout=gl.SliceLayout(0, LQ))
@@ -343,11 +396,13 @@ def _h64_decode_kernel(Q, QPE, O, LSE, BT, LENS, PROT,
         gl.store(LSE + b * H + lh, lse, mask=lh < H)
 
 
-def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, num_splits: int, max_len: int, rebuild_s: int = 2,
-           page_ahead: bool = False):  # fmt: skip
+def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, num_splits: int, max_len: int, rebuild_s: int = 4,
+           page_ahead: bool = True, rotate: bool = False):  # fmt: skip
     """C4R4 BF16 decode through the prototype; returns (o, lse) like triton_decode.decode. ``rebuild_s``:
     content chunks of the next tile reconstructed while the scores run (2 or 4; the rest while P·V
-    runs); ``page_ahead``: read each tile's block-table entry a step before its codes."""
+    runs); ``page_ahead``: read each tile's block-table entry a step before its codes; ``rotate``:
+    issue the next tile's scores right behind this tile's P·V (all of the next tile reconstructed
+    while the scores run, pages a step ahead: the other two arguments do not apply)."""
     from quantmla.kernels.triton_decode import _combine_kernel
 
     if rebuild_s not in (2, 4):
@@ -379,7 +434,8 @@ def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, num_splits: int
         r[1], r[2], r[3], r[5], r[6], r[7],
         H, q.stride(0), q.stride(1), qpe.stride(0), qpe.stride(1), prot.stride(0),
         op.stride(0), op.stride(1), op.stride(2), block_table.stride(0), per, tau * LOG2E,
-        SINK=layer.sink, RECENT=layer.recent, SPLIT=split, REBUILD_S=rebuild_s, PAGE_AHEAD=page_ahead, num_warps=8,
+        SINK=layer.sink, RECENT=layer.recent, SPLIT=split, REBUILD_S=rebuild_s, PAGE_AHEAD=page_ahead, ROTATE=rotate,
+        num_warps=8,
     )  # fmt: skip
     if split:
         _combine_kernel[(B * H, fmt.d_c // 64)](
