@@ -23,7 +23,8 @@ import decode as bench  # noqa: E402
 from quantmla.kernels import DECODE_CONFIG  # noqa: E402
 
 SHAPES = [(16, 32, 32768), (16, 1, 131072), (128, 32, 32768)]
-VARIANTS = [{}, {"lazy": True}, {"ablate": 2}, {"ablate": 3}]
+# the switches live in the Triton kernel: the Gluon one (C4R4 above 16 heads by default) is kept off
+VARIANTS = [{"gluon": False} | v for v in ({}, {"lazy": True}, {"ablate": 2}, {"ablate": 3})]
 
 
 def main() -> None:

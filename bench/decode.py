@@ -183,7 +183,13 @@ def run_shape(H, B, L, gen, l2_bytes, configs, check=True):
     sh = Shape(H, B, L, gen, l2_bytes)
     row = {"H": H, "B": B, "L": L}
     for name in FORMATS:
-        ms = sh.time(name, configs.get((H, name), {}))
+        cfg = configs.get((H, name), {})
+        ms = sh.time(name, cfg)
+        layer = sh.layers[name]
+        full = triton_decode.default_config(B, H, L, layer.fmt, layer.pool.device, cfg)
+        per = triton_decode.split_work(layer, L, full["block_n"], full["num_splits"])[1]
+        gluon = triton_decode.uses_gluon(layer, H, full, layer.pool.device, per)
+        row[f"{name}_kernel"] = "gluon" if gluon else "triton"
         row[f"{name}_ms"] = ms
         row[f"{name}_TBps"] = sh.stored_bytes(name) / ms / 1e9
         row[f"{name}_TFLOPs"] = flops(B, H, L) / ms / 1e9

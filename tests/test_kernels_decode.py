@@ -186,3 +186,49 @@ def test_content_chunks_are_whole_groups_or_none():
     q, qp = _queries(1, 16, gen)
     with pytest.raises(ValueError, match="chunks must be 1, 2 or 4"):
         kernels.decode(layer, bt, lens, q, qp, 0.1, "triton", dict(chunks=8))
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs a Hopper GPU (Gluon has no interpreter)")
+@pytest.mark.parametrize("H, splits", [(128, None), (128, 1), (100, 3)], ids=str)
+def test_gluon_decode_matches_reference(H, splits):
+    """C4R4 above 16 heads runs the Gluon kernel by default: ragged requests (shorter than the
+    protected rows, not page multiples, empty), one, three or the default number of splits;
+    every output written, within P's BF16 rounding of the float32 reference, LSE to 1e-3."""
+    from quantmla.kernels.triton_decode import default_config, split_work, uses_gluon
+
+    gen = torch.Generator().manual_seed(H + 7)
+    lengths = [4000, 300, 70, 1, 0]
+    layer, bt, lens, _, _ = filled_layer(PageFormat(4, 4), lengths, gen)
+    q, qp = _queries(len(lengths), H, gen)
+    cfg = {} if splits is None else dict(num_splits=splits)
+    full = default_config(len(lengths), H, 4000, layer.fmt, q.device, cfg)
+    assert uses_gluon(layer, H, full, q.device, split_work(layer, 4000, 64, full["num_splits"])[1])
+    o_ref, lse_ref = ref.decode(layer, bt, lens, q, qp, 576**-0.5)
+    out = _poisoned(len(lengths), H)
+    o, lse = kernels.decode(layer, bt, lens, q, qp, 576**-0.5, "triton", cfg, out=out)
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+    assert rel(o, o_ref) < 1e-2 and rel(lse, lse_ref) < TOL and same_inf(lse, lse_ref)
+
+
+def test_gluon_kernel_applies_only_where_it_was_written_for():
+    """The Gluon path takes C4R4 in BF16 with protection, above 16 heads, P as one BF16 tile,
+    64-token tiles and at least GLUON_MIN_TILES tiles per split on a Hopper GPU; anything else
+    (the interpreter, C2R4, 16 heads, the hi/lo P, other tiles, ``gluon=False``, short splits)
+    runs the Triton kernel."""
+    from quantmla.kernels.triton_decode import GLUON_MIN_TILES, default_config, uses_gluon
+
+    gen = torch.Generator().manual_seed(8)
+    layer, _, _, _, _ = filled_layer(PageFormat(4, 4), [70], gen)
+    c2, _, _, _, _ = filled_layer(PageFormat(2, 4), [70], gen)
+    dev = torch.device(DEVICE)
+    cfg = default_config(1, 128, 70, layer.fmt, dev, {})
+    assert uses_gluon(layer, 128, cfg, dev, GLUON_MIN_TILES) == _hopper()
+    assert not uses_gluon(layer, 128, cfg, dev, GLUON_MIN_TILES - 1)
+    assert not uses_gluon(c2, 128, cfg, dev, 8)
+    assert not uses_gluon(layer, 16, default_config(1, 16, 70, layer.fmt, dev, {}), dev, 8)
+    for override in (dict(pv_split=True), dict(block_n=32), dict(gluon=False)):
+        assert not uses_gluon(layer, 128, default_config(1, 128, 70, layer.fmt, dev, override), dev, 8), override

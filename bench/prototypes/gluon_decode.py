@@ -22,57 +22,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from quantmla.kernels._tiles import region_args
-
-LOG2E = 1.4426950408889634
-PERM8 = (0, 2, 4, 6, 1, 3, 5, 7)  # position p of an 8-channel block holds channel PERM8[p]
-
-
-def _word_ptx(f32_scale: bool) -> str:
-    lines = [
-        ".reg .b32 t0, t1, u0, u1, a0, a1, a2, a3, one, n2, s2, nzero;",
-        "mov.b32 one, 0x3f803f80;",
-        "mov.b32 nzero, 0x80008000;",
-        "mov.b32 n2, {$10, $10};",
-        "prmt.b32 t0, $8, 0, 0x4140;",
-        "prmt.b32 t1, $8, 0, 0x4342;",
-        "shr.u32 u0, t0, 4;",
-        "shr.u32 u1, t1, 4;",
-        "lop3.b32 a0, t0, 0x000f000f, 0x43004300, 0xea;",
-        "lop3.b32 a1, t1, 0x000f000f, 0x43004300, 0xea;",
-        "lop3.b32 a2, u0, 0x000f000f, 0x43004300, 0xea;",
-        "lop3.b32 a3, u1, 0x000f000f, 0x43004300, 0xea;",
-    ]
-    lines += [f"fma.rn.bf16x2 a{i}, a{i}, one, n2;" for i in range(4)]
-    if f32_scale:
-        lines += [".reg .b32 f<8>;"]
-        for i in range(4):
-            lines += [f"shl.b32 f{2 * i}, a{i}, 16;", f"and.b32 f{2 * i + 1}, a{i}, 0xffff0000;"]
-        lines += [f"mul.rn.f32 f{i}, f{i}, $9;" for i in range(8)]
-        lines += [f"cvt.rn.bf16x2.f32 a{i}, f{2 * i + 1}, f{2 * i};" for i in range(4)]
-    else:
-        lines += ["mov.b32 s2, {$9, $9};"]
-        lines += [f"fma.rn.bf16x2 a{i}, a{i}, s2, nzero;" for i in range(4)]
-    lines += [f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, a{i};" for i in range(4)]
-    return "{\n" + "\n".join(lines) + "\n}"
-
-
-_W_BF16 = gl.constexpr(_word_ptx(False))
-_W_F32 = gl.constexpr(_word_ptx(True))
-
-
-@gluon.jit
-def _dequant_words(w, s, nz, ASM: gl.constexpr, SC: gl.constexpr):
-    """int32 words (..., W) -> bf16 (..., W*8) in the permuted 8-block order."""
-    o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
-        ASM,
-        "=h,=h,=h,=h,=h,=h,=h,=h,r," + SC + ",h",
-        [w, s, nz],
-        dtype=(gl.bfloat16,) * 8,
-        is_pure=True,
-        pack=1,
-    )
-    x = gl.join(gl.join(gl.join(o0, o4), gl.join(o2, o6)), gl.join(gl.join(o1, o5), gl.join(o3, o7)))
-    return x
+from quantmla.kernels.gluon_decode import _W_BF16, _W_F32, LOG2E, _dequant_words, _prot_valid
 
 
 @gluon.jit
@@ -97,14 +47,6 @@ def _perm8(x, R: gl.constexpr, D: gl.constexpr):
     """Columns of (R, D) reordered within 8-blocks: column 8k+p <- channel 8k+PERM8[p]."""
     x5 = gl.reshape(x, [R, D // 8, 2, 2, 2])
     return gl.reshape(gl.permute(x5, (0, 1, 4, 2, 3)), [R, D])
-
-
-@gluon.jit
-def _prot_valid(r, L, SINK: gl.constexpr, RECENT: gl.constexpr):
-    ring = r - SINK
-    base = gl.maximum(L - RECENT, 0)
-    tok = gl.where(L <= RECENT, ring, base + (ring - base % RECENT + RECENT) % RECENT)
-    return gl.where(r < SINK, r < L, (r < SINK + RECENT) & (tok >= SINK) & (tok < L))
 
 
 @gluon.jit

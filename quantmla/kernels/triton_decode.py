@@ -382,11 +382,12 @@ TILES = {
     # bench/decode.py --tune on the H200 (bench/NOTES.md, v3, v6 and v13). Four-warp programs run
     # two per SM. Above 16 heads, P enters P·V as one BF16 tile (FlashMLA's precision): that is
     # what lets 64-head programs compile to wgmma, one program per 64 heads reconstructing each
-    # tile once. Four content chunks cut the registers a reconstructed tile holds (v13).
+    # tile once. Four content chunks cut the registers a reconstructed tile holds (v13). Where the
+    # Gluon Hopper kernel applies (C4R4, see gluon_decode.applies), it runs instead (v15).
     (False, False): dict(block_h=16, block_n=64, num_warps=4, num_stages=2, chunks=4),
     (False, True): dict(block_h=16, block_n=64, num_warps=4, num_stages=2, chunks=4),
     (True, False): dict(block_h=64, block_n=64, num_warps=8, num_stages=2, pv_split=False),
-    (True, True): dict(block_h=64, block_n=64, num_warps=8, num_stages=2, pv_split=False, chunks=4),
+    (True, True): dict(block_h=64, block_n=64, num_warps=8, num_stages=2, pv_split=False, chunks=4, gluon=True),
 }
 
 
@@ -431,6 +432,45 @@ def _config(B: int, H: int, max_len: int, fmt, device, key: tuple) -> dict:
     return cfg
 
 
+def split_work(layer, max_len: int, block_n: int, num_splits: int) -> tuple[int, int]:
+    """(splits, tiles per split) for ``num_splits`` requested. The last split also attends to the
+    protected rows, so it takes that many fewer page tiles: work is counted in tiles, pages first,
+    and cut into equal shares."""
+    tiles = max(1, triton.cdiv(max_len, block_n))
+    work = tiles + (triton.cdiv(layer.sink + layer.recent, block_n) if layer.prot is not None else 0)
+    splits = max(1, min(num_splits, work))
+    per = triton.cdiv(work, splits)
+    return triton.cdiv(work, per), per
+
+
+@functools.cache
+def _gluon():
+    """The Gluon Hopper kernel's module, or None where this Triton has no (compatible) Gluon."""
+    try:
+        from quantmla.kernels import gluon_decode
+    except (ImportError, AttributeError):
+        return None
+    return gluon_decode
+
+
+GLUON_MIN_TILES = 4
+"""Fewest tiles per split for the Gluon kernel: with 1-2 its prologue (the query block and the first
+tile, not overlapped) costs more than the overlap wins (H=128, B=1, L <= 8K: 18 % slower than the
+Triton kernel at 1-2 tiles per split, 5 % faster at 8; bench/NOTES.md, v15)."""
+
+
+def uses_gluon(layer, H: int, cfg: dict, device, per: int) -> bool:
+    """Whether a decode with tiles ``cfg`` and ``per`` tiles per split runs on :mod:`.gluon_decode`
+    (config ``gluon``, P as one BF16 tile, 64-token tiles, enough tiles per split, and a layer and
+    device that kernel takes)."""
+    if INTERPRET or not cfg.get("gluon") or cfg.get("pv_split", True) or cfg["block_n"] != 64:
+        return False
+    if per < GLUON_MIN_TILES:
+        return False
+    g = _gluon()
+    return g is not None and g.applies(layer, H, device)
+
+
 def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | None = None, out=None):
     """Triton decode; see :func:`quantmla.kernels.reference.decode` for the contract."""
     fmt = layer.fmt
@@ -442,13 +482,7 @@ def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | 
     block_h, block_n = cfg["block_h"], cfg["block_n"]
     if block_h < 16 or block_n < 16 or PAGE % block_n or (block_h & (block_h - 1)):
         raise ValueError(f"decode tiles: block_n must divide {PAGE}, both powers of two of at least 16; got {cfg}")
-    # The last split also attends to the protected rows, so it takes that many fewer page tiles:
-    # work is counted in tiles, pages first, and cut into equal shares.
-    tiles = max(1, triton.cdiv(max_len, block_n))
-    work = tiles + (triton.cdiv(layer.sink + layer.recent, block_n) if layer.prot is not None else 0)
-    splits = max(1, min(int(cfg["num_splits"]), work))
-    per = triton.cdiv(work, splits)
-    splits = triton.cdiv(work, per)
+    splits, per = split_work(layer, max_len, block_n, int(cfg["num_splits"]))
     q = q_lat.to(fmt.dtype).contiguous()
     qpe = q_pe.to(fmt.dtype).contiguous()
     o, lse = out if out is not None else (torch.empty(B, H, fmt.d_c, dtype=torch.float32, device=dev), None)
@@ -458,6 +492,25 @@ def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | 
     split = splits > 1
     op = torch.empty(B, H, splits, fmt.d_c, dtype=torch.float32, device=dev) if split else o.unsqueeze(2)
     lsep = torch.empty(B, H, splits, dtype=torch.float32, device=dev) if split else lse
+    if uses_gluon(layer, H, cfg, dev, per):
+        _gluon().decode(layer, block_table, lengths, q, qpe, op, lsep, tau, splits, per)
+    else:
+        _launch(layer, block_table, lengths, q, qpe, op, lsep, tau, cfg, splits, per)
+    if split:
+        block_d = min(64, fmt.d_c & -fmt.d_c)  # a power of two dividing d_c
+        _combine_kernel[(B * H, fmt.d_c // block_d)](
+            op, lsep, o, lse, splits, DC=fmt.d_c, BLOCK_S=min(32, triton.next_power_of_2(splits)), BLOCK_D=block_d
+        )
+    return o, lse
+
+
+def _launch(layer, block_table, lengths, q, qpe, op, lsep, tau, cfg, splits, per):
+    """The Triton decode kernel over ``splits`` splits of ``per`` work tiles (partials into
+    ``op``/``lsep`` when split)."""
+    fmt = layer.fmt
+    B, H, _ = q.shape
+    block_h, block_n = cfg["block_h"], cfg["block_n"]
+    split = splits > 1
     prot = layer.prot if layer.prot is not None else q
     grid = (triton.cdiv(H, block_h), splits, B)
     _decode_kernel[grid](
@@ -506,12 +559,6 @@ def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | 
         num_stages=cfg["num_stages"],
         maxnreg=cfg.get("maxnreg"),
     )
-    if split:
-        block_d = min(64, fmt.d_c & -fmt.d_c)  # a power of two dividing d_c
-        _combine_kernel[(B * H, fmt.d_c // block_d)](
-            op, lsep, o, lse, splits, DC=fmt.d_c, BLOCK_S=min(32, triton.next_power_of_2(splits)), BLOCK_D=block_d
-        )
-    return o, lse
 
 
-__all__ = ["decode", "default_config"]
+__all__ = ["decode", "default_config", "split_work", "uses_gluon"]

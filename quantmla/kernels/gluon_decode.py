@@ -1,40 +1,100 @@
-"""Prototype, not used by the harness: C4R4 decode in 64-head blocks (Gluon, Hopper), each tile
-reconstructed while the tensor cores run the one before.
+"""Decode over C4R4 pages in 64-head blocks, written in Gluon for Hopper (sm_90): each tile is
+reconstructed while the tensor cores run the one before it.
 
-Written to measure the overlap the Triton kernel cannot express (bench/NOTES.md, v15): Triton 3.6
-waits for every wgmma whose operand was reconstructed in registers right after issuing it. Here
-the products are asynchronous and the reconstruction of tile t + 1 runs between issuing the
-scores of tile t and waiting for them:
+The Triton kernel (:mod:`.triton_decode`) cannot overlap the two: Triton 3.6 waits for every
+``wgmma`` whose operand was reconstructed in registers right after issuing it, so at 128 heads
+C4R4 ran at ~0.83x of BF16 (bench/NOTES.md, v13-v14). Here, per 64-token tile t, in 8 warps::
 
-    issue S_t = C_t q^T (+ K_P,t q_pe^T)       (wgmma, async, tokens on M, 64 heads on N)
-    wait for P·V of tile t − 1, barrier         (its buffer and P are free again)
-    reconstruct tile t + 1 into the other buffer; load the codes of tile t + 2
-    wait for S_t; online softmax; P^T to shared memory; fence, barrier
-    issue O^T += C_t^T P^T                      (wgmma, async, waited for in iteration t + 1)
+    issue S^T = C_t q^T + K_P,t q_pe^T            (five async wgmma: tokens on M, 64 heads on N)
+    reconstruct tile t + 1 into the other buffer    (CUDA cores, while the scores run)
+    wait for S; online softmax; P^T to shared memory; fence; barrier
+    issue O^T += C_t^T P^T                          (four async wgmma, one per 128-channel chunk)
+    load tile t + 2's codes and the page of t + 3;  wait for P·V; fence; barrier
 
-Two buffers of 64 tokens × 576 channels (144 KB), the query block (72 KB) and P (8 KB) fill 224 of
-the H200's 227 KB of shared memory. 8 warps: the scores split the 64 heads over the two
-warpgroups, P·V the 512 output channels, in four 128-channel chunks of O^T (128 registers per
-thread). C4R4 in a BF16 cache only, d_c = 512, d_r = 64, group 64, protection buffers on, P as
-one BF16 tile (the Triton kernel's default above 16 heads); ``gluon_check_h64.py`` compares it
-with the Triton kernel and times both. Gluon has no interpreter: this file needs a Hopper GPU.
-The channel order inside each 8-channel block is permuted as in ``gluon_decode.py``.
+Two tile buffers (64 tokens x 576 channels, 144 KB), the query block (72 KB) and P (8 KB) take 225
+of the 227 KB of shared memory; O^T is four 128 x 64 float32 accumulators (128 registers per
+thread). P enters P·V as one BF16 tile, as in the Triton kernel above 16 heads. Codes are unpacked
+eight per 32-bit word by one PTX block into a channel order permuted within each 8-channel block;
+the queries, protected rows and the output use the same order. Splits, the protected rows on the
+last split and the LSE merge are the Triton kernel's.
+
+Takes C4R4 in a BF16 cache (group 64, d_c 512, d_r 64) with protection buffers, on a Hopper GPU;
+:func:`applies` says when, and :func:`quantmla.kernels.triton_decode.decode` dispatches here for
+those layers unless config ``gluon`` is False. Gluon has no interpreter: the CPU test suite cannot
+run this file, the GPU tests do (``tests/test_kernels_decode.py``).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
-from gluon_decode import _W_BF16, _W_F32, LOG2E, _dequant_words, _prot_valid
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from quantmla.kernels._tiles import region_args
+
+LOG2E = 1.4426950408889634
+PERM8 = (0, 2, 4, 6, 1, 3, 5, 7)  # position p of an 8-channel block holds channel PERM8[p]
+_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # a CTA barrier (Triton 3.6 / later names)
+
+
+def _word_ptx(f32_scale: bool) -> str:
+    lines = [
+        ".reg .b32 t0, t1, u0, u1, a0, a1, a2, a3, one, n2, s2, nzero;",
+        "mov.b32 one, 0x3f803f80;",
+        "mov.b32 nzero, 0x80008000;",
+        "mov.b32 n2, {$10, $10};",
+        "prmt.b32 t0, $8, 0, 0x4140;",
+        "prmt.b32 t1, $8, 0, 0x4342;",
+        "shr.u32 u0, t0, 4;",
+        "shr.u32 u1, t1, 4;",
+        "lop3.b32 a0, t0, 0x000f000f, 0x43004300, 0xea;",
+        "lop3.b32 a1, t1, 0x000f000f, 0x43004300, 0xea;",
+        "lop3.b32 a2, u0, 0x000f000f, 0x43004300, 0xea;",
+        "lop3.b32 a3, u1, 0x000f000f, 0x43004300, 0xea;",
+    ]
+    lines += [f"fma.rn.bf16x2 a{i}, a{i}, one, n2;" for i in range(4)]
+    if f32_scale:
+        lines += [".reg .b32 f<8>;"]
+        for i in range(4):
+            lines += [f"shl.b32 f{2 * i}, a{i}, 16;", f"and.b32 f{2 * i + 1}, a{i}, 0xffff0000;"]
+        lines += [f"mul.rn.f32 f{i}, f{i}, $9;" for i in range(8)]
+        lines += [f"cvt.rn.bf16x2.f32 a{i}, f{2 * i + 1}, f{2 * i};" for i in range(4)]
+    else:
+        lines += ["mov.b32 s2, {$9, $9};"]
+        lines += [f"fma.rn.bf16x2 a{i}, a{i}, s2, nzero;" for i in range(4)]
+    lines += [f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, a{i};" for i in range(4)]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_W_BF16 = gl.constexpr(_word_ptx(False))
+_W_F32 = gl.constexpr(_word_ptx(True))
+
+
+@gluon.jit
+def _dequant_words(w, s, nz, ASM: gl.constexpr, SC: gl.constexpr):
+    """int32 words (..., W) -> bf16 (..., W*8) in the permuted 8-block order."""
+    o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
+        ASM,
+        "=h,=h,=h,=h,=h,=h,=h,=h,r," + SC + ",h",
+        [w, s, nz],
+        dtype=(gl.bfloat16,) * 8,
+        is_pure=True,
+        pack=1,
+    )
+    x = gl.join(gl.join(gl.join(o0, o4), gl.join(o2, o6)), gl.join(gl.join(o1, o5), gl.join(o3, o7)))
+    return x
+
+
+@gluon.jit
+def _prot_valid(r, L, SINK: gl.constexpr, RECENT: gl.constexpr):
+    ring = r - SINK
+    base = gl.maximum(L - RECENT, 0)
+    tok = gl.where(L <= RECENT, ring, base + (ring - base % RECENT + RECENT) % RECENT)
+    return gl.where(r < SINK, r < L, (r < SINK + RECENT) & (tok >= SINK) & (tok < L))
 
 
 @gluon.jit
@@ -144,65 +204,14 @@ def _step(c_smem, r_smem, cur, q_smem, qp_smem, ph_smem, t, t_hi, low_hi, m_i, l
           w0, s0, z0, w1, s1, z1, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, page, qk_scale, cw, CScale, CZero, rw,
           RScale, RZero, bt_row, ps_ccodes, ps_cscale, ps_czero, ps_rcodes, ps_rscale, ps_rzero, tok3, g3, w3, tokr,
           wr, tok_s, SINK: gl.constexpr, BN: gl.constexpr, BH: gl.constexpr, CW: gl.constexpr, DR: gl.constexpr,
-          WG: gl.constexpr, NG: gl.constexpr, GC: gl.constexpr, ACC_S: gl.constexpr, ACC_O: gl.constexpr,
-          REBUILD_S: gl.constexpr, PAGE_AHEAD: gl.constexpr):  # fmt: skip
+          WG: gl.constexpr, NG: gl.constexpr, GC: gl.constexpr, ACC_S: gl.constexpr, ACC_O: gl.constexpr):  # fmt: skip
     """Tile ``t`` (already in buffer ``cur``) into the online softmax, while tile t + 1 (its codes
     in registers) is reconstructed into the other buffer and tile t + 2's codes are loaded."""
     t2 = gl.minimum(t + 2, t_hi - 1)
     nxt = 1 - cur
     s = _scores(c_smem, r_smem, q_smem, qp_smem, cur, BN, BH, ACC_S)
-    # while the tensor cores run the scores: REBUILD_S of tile t + 1's four content chunks (2 or 4,
-    # with the RoPE rows if 4) into the other buffer (free: the P·V that read it was waited for at
-    # the end of the previous step)
-    _store_chunk(c_smem, 4 * nxt + 0, w0, s0, z0, BN, CW)
-    _store_chunk(c_smem, 4 * nxt + 1, w1, s1, z1, BN, CW)
-    if REBUILD_S == 4:
-        _rebuild_hi(c_smem, r_smem, nxt, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, BN, CW, DR)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-    offs_s = t * BN + tok_s
-    valid = (offs_s < low_hi) & (offs_s >= SINK)
-    m_i, l_i, p, alpha = _softmax(s, valid, m_i, l_i, qk_scale, ACC_O)
-    a0 = a0 * alpha[None, :]
-    a1 = a1 * alpha[None, :]
-    a2 = a2 * alpha[None, :]
-    a3 = a3 * alpha[None, :]
-    ph_smem.store(p.to(gl.bfloat16))
-    fence_async_shared()
-    gl.thread_barrier()
-    a0, a1, a2, a3 = _pv(c_smem, ph_smem, cur, a0, a1, a2, a3)
-    # while they run P·V: the rest of tile t + 1, then tile t + 2's codes (their page read a step
-    # ahead with PAGE_AHEAD, else just before them)
-    if REBUILD_S == 2:
-        _rebuild_hi(c_smem, r_smem, nxt, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, BN, CW, DR)
-    if not PAGE_AHEAD:
-        page = gl.load(bt_row + t2).to(gl.int64)
-    w0, s0, z0, w1, s1, z1 = _codes_lo(cw, CScale, CZero, page, t2, low_hi, ps_ccodes, ps_cscale, ps_czero,
-                                       tok3, g3, w3, SINK, BN, WG, NG, GC)  # fmt: skip
-    w2, s2, z2, w3_, s3, z3, rwd, sr, nzr = _codes_hi(
-        cw, CScale, CZero, rw, RScale, RZero, page, t2, low_hi, ps_ccodes, ps_cscale, ps_czero, ps_rcodes,
-        ps_rscale, ps_rzero, tok3, g3, w3, tokr, wr, SINK, BN, WG, NG, GC)  # fmt: skip
-    if PAGE_AHEAD:
-        page = gl.load(bt_row + gl.minimum(t + 3, t_hi - 1)).to(gl.int64)
-    # (an accumulator still in flight across the loop's back edge makes ptxas serialize every
-    # wgmma, so P·V is waited for within the step)
-    a0, a1, a2, a3 = warpgroup_mma_wait(num_outstanding=0, deps=(a0, a1, a2, a3))
-    fence_async_shared()
-    gl.thread_barrier()
-    return m_i, l_i, a0, a1, a2, a3, w0, s0, z0, w1, s1, z1, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, page
-
-
-@gluon.jit
-def _step_rot(c_smem, r_smem, cur, q_smem, qp_smem, ph_smem, t, t_hi, low_hi, s, m_i, l_i, a0, a1, a2, a3,
-              w0, s0, z0, w1, s1, z1, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, page, qk_scale, cw, CScale, CZero, rw,
-              RScale, RZero, bt_row, ps_ccodes, ps_cscale, ps_czero, ps_rcodes, ps_rscale, ps_rzero, tok3, g3, w3,
-              tokr, wr, tok_s, SINK: gl.constexpr, BN: gl.constexpr, BH: gl.constexpr, CW: gl.constexpr,
-              DR: gl.constexpr, WG: gl.constexpr, NG: gl.constexpr, GC: gl.constexpr, ACC_S: gl.constexpr,
-              ACC_O: gl.constexpr):  # fmt: skip
-    """:func:`_step` with the scores of tile t already issued (by the step before) and those of tile
-    t + 1 issued right behind this tile's P·V, so the tensor cores run the two back to back."""
-    t2 = gl.minimum(t + 2, t_hi - 1)
-    nxt = 1 - cur
-    # while the tensor cores run the scores of tile t: tile t + 1 into the other buffer
+    # while the tensor cores run the scores: tile t + 1 into the other buffer (free: the P·V that
+    # read it was waited for at the end of the previous step)
     _store_chunk(c_smem, 4 * nxt + 0, w0, s0, z0, BN, CW)
     _store_chunk(c_smem, 4 * nxt + 1, w1, s1, z1, BN, CW)
     _rebuild_hi(c_smem, r_smem, nxt, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, BN, CW, DR)
@@ -216,20 +225,21 @@ def _step_rot(c_smem, r_smem, cur, q_smem, qp_smem, ph_smem, t, t_hi, low_hi, s,
     a3 = a3 * alpha[None, :]
     ph_smem.store(p.to(gl.bfloat16))
     fence_async_shared()
-    gl.thread_barrier()  # P and tile t + 1 visible to both warpgroups' wgmma
+    _barrier()
     a0, a1, a2, a3 = _pv(c_smem, ph_smem, cur, a0, a1, a2, a3)
-    s = _scores(c_smem, r_smem, q_smem, qp_smem, nxt, BN, BH, ACC_S)
+    # while they run P·V: tile t + 2's codes (its page was read a step ahead) and the page of t + 3
     w0, s0, z0, w1, s1, z1 = _codes_lo(cw, CScale, CZero, page, t2, low_hi, ps_ccodes, ps_cscale, ps_czero,
                                        tok3, g3, w3, SINK, BN, WG, NG, GC)  # fmt: skip
     w2, s2, z2, w3_, s3, z3, rwd, sr, nzr = _codes_hi(
         cw, CScale, CZero, rw, RScale, RZero, page, t2, low_hi, ps_ccodes, ps_cscale, ps_czero, ps_rcodes,
         ps_rscale, ps_rzero, tok3, g3, w3, tokr, wr, SINK, BN, WG, NG, GC)  # fmt: skip
     page = gl.load(bt_row + gl.minimum(t + 3, t_hi - 1)).to(gl.int64)
-    # P·V of this tile done (the five score groups behind it may still run): its buffer and P are
-    # free for the next step once both warpgroups are past this barrier
-    a0, a1, a2, a3 = warpgroup_mma_wait(num_outstanding=5, deps=(a0, a1, a2, a3))
-    gl.thread_barrier()
-    return s, m_i, l_i, a0, a1, a2, a3, w0, s0, z0, w1, s1, z1, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, page
+    # (an accumulator still in flight across the loop's back edge makes ptxas serialize every
+    # wgmma, so P·V is waited for within the step)
+    a0, a1, a2, a3 = warpgroup_mma_wait(num_outstanding=0, deps=(a0, a1, a2, a3))
+    fence_async_shared()
+    _barrier()
+    return m_i, l_i, a0, a1, a2, a3, w0, s0, z0, w1, s1, z1, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, page
 
 
 @gluon.jit
@@ -244,8 +254,7 @@ def _h64_decode_kernel(Q, QPE, O, LSE, BT, LENS, PROT,
                        RCodes, RScale, RZero, ps_rcodes, ps_rscale, ps_rzero,
                        H, stride_qb, stride_qh, stride_rb, stride_rh, stride_pb,
                        stride_ob, stride_oh, stride_os, stride_bt, tiles_per_split, qk_scale,
-                       SINK: gl.constexpr, RECENT: gl.constexpr, SPLIT: gl.constexpr, REBUILD_S: gl.constexpr,
-                       PAGE_AHEAD: gl.constexpr, ROTATE: gl.constexpr):  # fmt: skip
+                       SINK: gl.constexpr, RECENT: gl.constexpr, SPLIT: gl.constexpr):  # fmt: skip
     DC: gl.constexpr = 512
     DR: gl.constexpr = 64
     BN: gl.constexpr = 64
@@ -328,25 +337,13 @@ def _h64_decode_kernel(Q, QPE, O, LSE, BT, LENS, PROT,
             ps_rscale, ps_rzero, tok3, g3, w3, tokr, wr, SINK, BN, WG, NG, GC)  # fmt: skip
         page = gl.load(bt_row + gl.minimum(t_lo + 2, t_hi - 1)).to(gl.int64)
         fence_async_shared()
-        gl.thread_barrier()
-        if ROTATE:
-            s = _scores(c_smem, r_smem, q_smem, qp_smem, 0, BN, BH, ACC_S)
-            for t in range(t_lo, t_hi):
-                s, m_i, l_i, a0, a1, a2, a3, w0, s0, z0, w1, s1, z1, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, page = (
-                    _step_rot(c_smem, r_smem, (t - t_lo) % 2, q_smem, qp_smem, ph_smem, t, t_hi, low_hi, s, m_i, l_i,
-                              a0, a1, a2, a3, w0, s0, z0, w1, s1, z1, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, page,
-                              qk_scale, cw, CScale, CZero, rw, RScale, RZero, bt_row, ps_ccodes, ps_cscale, ps_czero,
-                              ps_rcodes, ps_rscale, ps_rzero, tok3, g3, w3, tokr, wr, tok_s, SINK, BN, BH, CW, DR, WG,
-                              NG, GC, ACC_S, ACC_O))  # fmt: skip
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))  # the scores issued past the last tile
-            gl.thread_barrier()
-        else:
-            for t in range(t_lo, t_hi):
-                m_i, l_i, a0, a1, a2, a3, w0, s0, z0, w1, s1, z1, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, page = _step(
-                    c_smem, r_smem, (t - t_lo) % 2, q_smem, qp_smem, ph_smem, t, t_hi, low_hi, m_i, l_i, a0, a1, a2, a3,
-                    w0, s0, z0, w1, s1, z1, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, page, qk_scale, cw, CScale, CZero, rw,
-                    RScale, RZero, bt_row, ps_ccodes, ps_cscale, ps_czero, ps_rcodes, ps_rscale, ps_rzero, tok3, g3, w3,
-                    tokr, wr, tok_s, SINK, BN, BH, CW, DR, WG, NG, GC, ACC_S, ACC_O, REBUILD_S, PAGE_AHEAD)  # fmt: skip
+        _barrier()
+        for t in range(t_lo, t_hi):
+            m_i, l_i, a0, a1, a2, a3, w0, s0, z0, w1, s1, z1, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, page = _step(
+                c_smem, r_smem, (t - t_lo) % 2, q_smem, qp_smem, ph_smem, t, t_hi, low_hi, m_i, l_i, a0, a1, a2, a3,
+                w0, s0, z0, w1, s1, z1, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, page, qk_scale, cw, CScale, CZero, rw,
+                RScale, RZero, bt_row, ps_ccodes, ps_cscale, ps_czero, ps_rcodes, ps_rscale, ps_rzero, tok3, g3, w3,
+                tokr, wr, tok_s, SINK, BN, BH, CW, DR, WG, NG, GC, ACC_S, ACC_O)  # fmt: skip
 
     if pid_s == gl.num_programs(1) - 1:  # the protected rows: sink rows, then the ring of the latest RECENT
         pc = gl.arange(0, CW, layout=gl.SliceLayout(0, LQ))
@@ -363,7 +360,7 @@ def _h64_decode_kernel(Q, QPE, O, LSE, BT, LENS, PROT,
                          other=0.0)  # fmt: skip
             r_smem.index(0).store(kr)
             fence_async_shared()
-            gl.thread_barrier()
+            _barrier()
             s = _scores(c_smem, r_smem, q_smem, qp_smem, 0, BN, BH, ACC_S)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             valid = _prot_valid(r0 + tok_s, L, SINK, RECENT)
@@ -374,10 +371,10 @@ def _h64_decode_kernel(Q, QPE, O, LSE, BT, LENS, PROT,
             a3 = a3 * alpha[None, :]
             ph_smem.store(p.to(gl.bfloat16))
             fence_async_shared()
-            gl.thread_barrier()
+            _barrier()
             a0, a1, a2, a3 = _pv(c_smem, ph_smem, 0, a0, a1, a2, a3)
             a0, a1, a2, a3 = warpgroup_mma_wait(num_outstanding=0, deps=(a0, a1, a2, a3))
-            gl.thread_barrier()
+            _barrier()
 
     has = l_i > 0
     lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
@@ -396,52 +393,41 @@ def _h64_decode_kernel(Q, QPE, O, LSE, BT, LENS, PROT,
         gl.store(LSE + b * H + lh, lse, mask=lh < H)
 
 
-def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, num_splits: int, max_len: int, rebuild_s: int = 4,
-           page_ahead: bool = True, rotate: bool = False):  # fmt: skip
-    """C4R4 BF16 decode through the prototype; returns (o, lse) like triton_decode.decode. ``rebuild_s``:
-    content chunks of the next tile reconstructed while the scores run (2 or 4; the rest while P·V
-    runs); ``page_ahead``: read each tile's block-table entry a step before its codes; ``rotate``:
-    issue the next tile's scores right behind this tile's P·V (all of the next tile reconstructed
-    while the scores run, pages a step ahead: the other two arguments do not apply)."""
-    from quantmla.kernels.triton_decode import _combine_kernel
-
-    if rebuild_s not in (2, 4):
-        raise ValueError(f"rebuild_s must be 2 or 4, got {rebuild_s}")
-    fmt = layer.fmt
-    if (fmt.content_bits, fmt.rope_bits, fmt.dtype, fmt.group, fmt.d_c, fmt.d_r) != (4, 4, torch.bfloat16, 64, 512, 64):
-        raise ValueError(f"the prototype takes C4R4 in a BF16 cache, group 64, d_c 512, d_r 64; got {fmt}")
-    if layer.prot is None:
-        raise ValueError("the prototype needs the protection buffers (sink and recent rows)")
-    B, H, _ = q_lat.shape
-    dev = q_lat.device
-    tiles = max(1, triton.cdiv(max_len, 64))
-    splits = max(1, min(num_splits, tiles))
-    per = triton.cdiv(tiles, splits)
-    splits = triton.cdiv(tiles, per)
-    q = q_lat.to(torch.bfloat16).contiguous()
-    qpe = q_pe.to(torch.bfloat16).contiguous()
-    o = torch.empty(B, H, fmt.d_c, dtype=torch.float32, device=dev)
-    lse = torch.empty(B, H, dtype=torch.float32, device=dev)
-    split = splits > 1
-    op = torch.empty(B, H, splits, fmt.d_c, dtype=torch.float32, device=dev) if split else o.unsqueeze(2)
-    lsep = torch.empty(B, H, splits, dtype=torch.float32, device=dev) if split else lse
-    prot = layer.prot
+def decode(layer, block_table, lengths, q, qpe, o, lse, tau: float, splits: int, per: int) -> None:
+    """Launch over ``splits`` splits of ``per`` work tiles each (:func:`.triton_decode.split_work`):
+    ``q``, ``qpe`` BF16 contiguous; ``o`` (B, H, splits, d_c) and ``lse`` (B, H, splits) float32
+    partials when ``splits > 1``, else the outputs themselves (viewed (B, H, 1, d_c) and (B, H))."""
+    B, H, _ = q.shape
     c = region_args(layer, "C")
     r = region_args(layer, "R")
+    prot = layer.prot
     _h64_decode_kernel[(triton.cdiv(H, 64), splits, B)](
-        q, qpe, op, lsep, block_table, lengths, prot,
+        q, qpe, o, lse, block_table, lengths, prot,
         c[1], c[2], c[3], c[5], c[6], c[7],
         r[1], r[2], r[3], r[5], r[6], r[7],
         H, q.stride(0), q.stride(1), qpe.stride(0), qpe.stride(1), prot.stride(0),
-        op.stride(0), op.stride(1), op.stride(2), block_table.stride(0), per, tau * LOG2E,
-        SINK=layer.sink, RECENT=layer.recent, SPLIT=split, REBUILD_S=rebuild_s, PAGE_AHEAD=page_ahead, ROTATE=rotate,
-        num_warps=8,
+        o.stride(0), o.stride(1), o.stride(2), block_table.stride(0), per, tau * LOG2E,
+        SINK=layer.sink, RECENT=layer.recent, SPLIT=splits > 1, num_warps=8,
     )  # fmt: skip
-    if split:
-        _combine_kernel[(B * H, fmt.d_c // 64)](
-            op, lsep, o, lse, splits, DC=fmt.d_c, BLOCK_S=min(32, triton.next_power_of_2(splits)), BLOCK_D=64
-        )
-    return o, lse
 
 
-__all__ = ["decode"]
+def applies(layer, H: int, device) -> bool:
+    """Whether this kernel takes ``layer`` for ``H`` heads on ``device``: C4R4 in a BF16 cache,
+    group 64, d_c 512, d_r 64, protection buffers on, more than 16 heads, a Hopper GPU."""
+    fmt = layer.fmt
+    shape = (fmt.content_bits, fmt.rope_bits, fmt.dtype, fmt.group, fmt.d_c, fmt.d_r)
+    return (
+        shape == (4, 4, torch.bfloat16, 64, 512, 64)
+        and layer.prot is not None
+        and H > 16
+        and device.type == "cuda"
+        and _sm90(device.index if device.index is not None else torch.cuda.current_device())
+    )
+
+
+@functools.cache
+def _sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+__all__ = ["applies", "decode"]
