@@ -193,16 +193,18 @@ def _hopper() -> bool:
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs a Hopper GPU (Gluon has no interpreter)")
-@pytest.mark.parametrize("H, splits", [(128, None), (128, 1), (100, 3)], ids=str)
-def test_gluon_decode_matches_reference(H, splits):
-    """C4R4 above 16 heads runs the Gluon kernel by default: ragged requests (shorter than the
-    protected rows, not page multiples, empty), one, three or the default number of splits;
+@pytest.mark.parametrize(
+    "cb, H, splits", [(4, 128, None), (4, 128, 1), (4, 100, 3), (2, 128, None), (2, 100, 3)], ids=str
+)
+def test_gluon_decode_matches_reference(cb, H, splits):
+    """C4R4 and C2R4 above 16 heads run the Gluon kernel by default: ragged requests (shorter than
+    the protected rows, not page multiples, empty), one, three or the default number of splits;
     every output written, within P's BF16 rounding of the float32 reference, LSE to 1e-3."""
     from quantmla.kernels.triton_decode import default_config, split_work, uses_gluon
 
-    gen = torch.Generator().manual_seed(H + 7)
+    gen = torch.Generator().manual_seed(H + 7 * cb)
     lengths = [4000, 300, 70, 1, 0]
-    layer, bt, lens, _, _ = filled_layer(PageFormat(4, 4), lengths, gen)
+    layer, bt, lens, _, _ = filled_layer(PageFormat(cb, 4), lengths, gen)
     q, qp = _queries(len(lengths), H, gen)
     cfg = {} if splits is None else dict(num_splits=splits)
     full = default_config(len(lengths), H, 4000, layer.fmt, q.device, cfg)
@@ -215,20 +217,22 @@ def test_gluon_decode_matches_reference(H, splits):
 
 
 def test_gluon_kernel_applies_only_where_it_was_written_for():
-    """The Gluon path takes C4R4 in BF16 with protection, above 16 heads, P as one BF16 tile,
-    64-token tiles and at least GLUON_MIN_TILES tiles per split on a Hopper GPU; anything else
-    (the interpreter, C2R4, 16 heads, the hi/lo P, other tiles, ``gluon=False``, short splits)
-    runs the Triton kernel."""
+    """The Gluon path takes C4R4 and C2R4 in BF16 with protection, above 16 heads, P as one BF16
+    tile, 64-token tiles and at least GLUON_MIN_TILES tiles per split on a Hopper GPU; anything
+    else (the interpreter, C4R8, 16 heads, the hi/lo P, other tiles, ``gluon=False``, short
+    splits) runs the Triton kernel."""
     from quantmla.kernels.triton_decode import GLUON_MIN_TILES, default_config, uses_gluon
 
     gen = torch.Generator().manual_seed(8)
     layer, _, _, _, _ = filled_layer(PageFormat(4, 4), [70], gen)
     c2, _, _, _, _ = filled_layer(PageFormat(2, 4), [70], gen)
+    c4r8, _, _, _, _ = filled_layer(PageFormat(4, 8), [70], gen)
     dev = torch.device(DEVICE)
     cfg = default_config(1, 128, 70, layer.fmt, dev, {})
     assert uses_gluon(layer, 128, cfg, dev, GLUON_MIN_TILES) == _hopper()
     assert not uses_gluon(layer, 128, cfg, dev, GLUON_MIN_TILES - 1)
-    assert not uses_gluon(c2, 128, cfg, dev, 8)
+    assert uses_gluon(c2, 128, cfg, dev, 8) == _hopper()
+    assert not uses_gluon(c4r8, 128, cfg, dev, 8)
     assert not uses_gluon(layer, 16, default_config(1, 16, 70, layer.fmt, dev, {}), dev, 8)
     for override in (dict(pv_split=True), dict(block_n=32), dict(gluon=False)):
         assert not uses_gluon(layer, 128, default_config(1, 128, 70, layer.fmt, dev, override), dev, 8), override

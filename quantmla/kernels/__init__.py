@@ -146,7 +146,7 @@ DECODE_CONFIG = {
     "pv_split": "P·V with P as a hi/lo pair, float32 accuracy (True, the default up to 16 heads) or one BF16 tile (False, the default above)",
     "chunks": "column chunks (1, 2 or 4) the content path is read, reconstructed and multiplied in (1 where the format's d_c cannot be cut into whole groups)",
     "maxnreg": "registers per thread the compiler may use (more programs per SM, spills beyond); none by default",
-    "gluon": "run the Gluon Hopper kernel where it applies (C4R4 in BF16, > 16 heads, P as one BF16 tile, "
+    "gluon": "run the Gluon Hopper kernel where it applies (C4R4 or C2R4 in BF16, > 16 heads, P as one BF16 tile, "
     "64-token tiles, sm_90): True by default above 16 heads",
 }
 PREFILL_CONFIG = {

@@ -1,5 +1,5 @@
-"""Decode over C4R4 pages in 64-head blocks, written in Gluon for Hopper (sm_90): each tile is
-reconstructed while the tensor cores run the one before it.
+"""Decode over C4R4 and C2R4 pages in 64-head blocks, written in Gluon for Hopper (sm_90): each
+tile is reconstructed while the tensor cores run the one before it.
 
 The Triton kernel (:mod:`.triton_decode`) cannot overlap the two: Triton 3.6 waits for every
 ``wgmma`` whose operand was reconstructed in registers right after issuing it, so at 128 heads
@@ -14,11 +14,11 @@ C4R4 ran at ~0.83x of BF16 (bench/NOTES.md, v13-v14). Here, per 64-token tile t,
 Two tile buffers (64 tokens x 576 channels, 144 KB), the query block (72 KB) and P (8 KB) take 225
 of the 227 KB of shared memory; O^T is four 128 x 64 float32 accumulators (128 registers per
 thread). P enters P·V as one BF16 tile, as in the Triton kernel above 16 heads. Codes are unpacked
-eight per 32-bit word by one PTX block into a channel order permuted within each 8-channel block;
-the queries, protected rows and the output use the same order. Splits, the protected rows on the
+eight (4-bit) or sixteen (2-bit) per 32-bit word by one PTX block into a channel order permuted
+within each 8- or 16-channel block; the queries, protected rows and the output use the same order. Splits, the protected rows on the
 last split and the LSE merge are the Triton kernel's.
 
-Takes C4R4 in a BF16 cache (group 64, d_c 512, d_r 64) with protection buffers, on a Hopper GPU;
+Takes C4R4 or C2R4 in a BF16 cache (group 64, d_c 512, d_r 64) with protection buffers, on a Hopper GPU;
 :func:`applies` says when, and :func:`quantmla.kernels.triton_decode.decode` dispatches here for
 those layers unless config ``gluon`` is False. Gluon has no interpreter: the CPU test suite cannot
 run this file, the GPU tests do (``tests/test_kernels_decode.py``).
@@ -70,8 +70,31 @@ def _word_ptx(f32_scale: bool) -> str:
     return "{\n" + "\n".join(lines) + "\n}"
 
 
+def _word2_ptx() -> str:
+    """Sixteen 2-bit codes of a 32-bit word (byte j holds channels 4j..4j+3, channel k of a byte at
+    bits 2k) -> sixteen BF16 s·(q − z), BF16 scale: outputs $0-$15, word $16, scale $17, nz $18.
+    Register a_i holds (t0 or t1 shifted by 2·(i // 2)): position p holds channel 4·(p % 4) + p // 4."""
+    lines = [
+        ".reg .b32 t0, t1, u<6>, a<8>, one, n2, s2, nzero;",
+        "mov.b32 one, 0x3f803f80;",
+        "mov.b32 nzero, 0x80008000;",
+        "mov.b32 n2, {$18, $18};",
+        "mov.b32 s2, {$17, $17};",
+        "prmt.b32 t0, $16, 0, 0x4140;",
+        "prmt.b32 t1, $16, 0, 0x4342;",
+    ]
+    lines += [f"shr.u32 u{2 * (k - 1) + h}, t{h}, {2 * k};" for k in (1, 2, 3) for h in (0, 1)]
+    src = ["t0", "t1", "u0", "u1", "u2", "u3", "u4", "u5"]
+    lines += [f"lop3.b32 a{i}, {src[i]}, 0x00030003, 0x43004300, 0xea;" for i in range(8)]
+    lines += [f"fma.rn.bf16x2 a{i}, a{i}, one, n2;" for i in range(8)]
+    lines += [f"fma.rn.bf16x2 a{i}, a{i}, s2, nzero;" for i in range(8)]
+    lines += [f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, a{i};" for i in range(8)]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
 _W_BF16 = gl.constexpr(_word_ptx(False))
 _W_F32 = gl.constexpr(_word_ptx(True))
+_W2_BF16 = gl.constexpr(_word2_ptx())
 
 
 @gluon.jit
@@ -90,11 +113,44 @@ def _dequant_words(w, s, nz, ASM: gl.constexpr, SC: gl.constexpr):
 
 
 @gluon.jit
+def _join8(x0, x1, x2, x3, x4, x5, x6, x7):
+    """(..., ) x 8 -> (..., 8) in argument order (join appends the last axis, hence the order)."""
+    return gl.join(gl.join(gl.join(x0, x4), gl.join(x2, x6)), gl.join(gl.join(x1, x5), gl.join(x3, x7)))
+
+
+@gluon.jit
+def _dequant_words2(w, s, nz):
+    """int32 words of 2-bit codes (..., W) -> bf16 (..., W*16) in the permuted 16-block order."""
+    o = gl.inline_asm_elementwise(
+        _W2_BF16,
+        "=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,r,h,h",
+        [w, s, nz],
+        dtype=(gl.bfloat16,) * 16,
+        is_pure=True,
+        pack=1,
+    )
+    return gl.join(
+        _join8(o[0], o[2], o[4], o[6], o[8], o[10], o[12], o[14]),
+        _join8(o[1], o[3], o[5], o[7], o[9], o[11], o[13], o[15]),
+    )
+
+
+@gluon.jit
 def _prot_valid(r, L, SINK: gl.constexpr, RECENT: gl.constexpr):
     ring = r - SINK
     base = gl.maximum(L - RECENT, 0)
     tok = gl.where(L <= RECENT, ring, base + (ring - base % RECENT + RECENT) % RECENT)
     return gl.where(r < SINK, r < L, (r < SINK + RECENT) & (tok >= SINK) & (tok < L))
+
+
+@gluon.jit
+def _cperm(c, C_BITS: gl.constexpr):
+    """Channel held by content column ``c``: :func:`_perm` for 4-bit codes; for 2-bit codes column
+    16k+p holds channel 16k + 4·(p % 4) + p // 4."""
+    if C_BITS == 4:
+        return _perm(c)
+    else:
+        return (c // 16) * 16 + 4 * (c % 4) + (c % 16) // 4
 
 
 @gluon.jit
@@ -152,17 +208,20 @@ def _codes_hi(cw, CScale, CZero, rw, RScale, RZero, page, t, low_hi, ps_ccodes, 
 
 
 @gluon.jit
-def _store_chunk(c_smem, i, w, s, nz, BN: gl.constexpr, CW: gl.constexpr):
-    x = _dequant_words(w, s[:, :, None], nz[:, :, None], _W_BF16, "h")
+def _store_chunk(c_smem, i, w, s, nz, BN: gl.constexpr, CW: gl.constexpr, C_BITS: gl.constexpr):
+    if C_BITS == 4:
+        x = _dequant_words(w, s[:, :, None], nz[:, :, None], _W_BF16, "h")
+    else:
+        x = _dequant_words2(w, s[:, :, None], nz[:, :, None])
     c_smem.index(i).store(gl.reshape(x, [BN, CW]))
 
 
 @gluon.jit
 def _rebuild_hi(c_smem, r_smem, buf, w2, s2, z2, w3, s3, z3, rwords, sr, nzr, BN: gl.constexpr, CW: gl.constexpr,
-                DR: gl.constexpr):  # fmt: skip
+                DR: gl.constexpr, C_BITS: gl.constexpr):  # fmt: skip
     """Content chunks 2 and 3 and the RoPE rows of a tile into buffer ``buf``."""
-    _store_chunk(c_smem, 4 * buf + 2, w2, s2, z2, BN, CW)
-    _store_chunk(c_smem, 4 * buf + 3, w3, s3, z3, BN, CW)
+    _store_chunk(c_smem, 4 * buf + 2, w2, s2, z2, BN, CW, C_BITS)
+    _store_chunk(c_smem, 4 * buf + 3, w3, s3, z3, BN, CW, C_BITS)
     xr = _dequant_words(rwords, sr[:, None], nzr[:, None], _W_F32, "r")
     r_smem.index(buf).store(gl.reshape(xr, [BN, DR]))
 
@@ -204,7 +263,8 @@ def _step(c_smem, r_smem, cur, q_smem, qp_smem, ph_smem, t, t_hi, low_hi, m_i, l
           w0, s0, z0, w1, s1, z1, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, page, qk_scale, cw, CScale, CZero, rw,
           RScale, RZero, bt_row, ps_ccodes, ps_cscale, ps_czero, ps_rcodes, ps_rscale, ps_rzero, tok3, g3, w3, tokr,
           wr, tok_s, SINK: gl.constexpr, BN: gl.constexpr, BH: gl.constexpr, CW: gl.constexpr, DR: gl.constexpr,
-          WG: gl.constexpr, NG: gl.constexpr, GC: gl.constexpr, ACC_S: gl.constexpr, ACC_O: gl.constexpr):  # fmt: skip
+          WG: gl.constexpr, NG: gl.constexpr, GC: gl.constexpr, ACC_S: gl.constexpr, ACC_O: gl.constexpr,
+          C_BITS: gl.constexpr):  # fmt: skip
     """Tile ``t`` (already in buffer ``cur``) into the online softmax, while tile t + 1 (its codes
     in registers) is reconstructed into the other buffer and tile t + 2's codes are loaded."""
     t2 = gl.minimum(t + 2, t_hi - 1)
@@ -212,9 +272,9 @@ def _step(c_smem, r_smem, cur, q_smem, qp_smem, ph_smem, t, t_hi, low_hi, m_i, l
     s = _scores(c_smem, r_smem, q_smem, qp_smem, cur, BN, BH, ACC_S)
     # while the tensor cores run the scores: tile t + 1 into the other buffer (free: the P·V that
     # read it was waited for at the end of the previous step)
-    _store_chunk(c_smem, 4 * nxt + 0, w0, s0, z0, BN, CW)
-    _store_chunk(c_smem, 4 * nxt + 1, w1, s1, z1, BN, CW)
-    _rebuild_hi(c_smem, r_smem, nxt, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, BN, CW, DR)
+    _store_chunk(c_smem, 4 * nxt + 0, w0, s0, z0, BN, CW, C_BITS)
+    _store_chunk(c_smem, 4 * nxt + 1, w1, s1, z1, BN, CW, C_BITS)
+    _rebuild_hi(c_smem, r_smem, nxt, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, BN, CW, DR, C_BITS)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     offs_s = t * BN + tok_s
     valid = (offs_s < low_hi) & (offs_s >= SINK)
@@ -243,9 +303,9 @@ def _step(c_smem, r_smem, cur, q_smem, qp_smem, ph_smem, t, t_hi, low_hi, m_i, l
 
 
 @gluon.jit
-def _store_out(O, o_base, a, inv, J: gl.constexpr, CW: gl.constexpr, hmask, ACC_O: gl.constexpr):
+def _store_out(O, o_base, a, inv, J: gl.constexpr, CW: gl.constexpr, hmask, ACC_O: gl.constexpr, C_BITS: gl.constexpr):
     oc = J * CW + gl.arange(0, CW, layout=gl.SliceLayout(1, ACC_O))
-    gl.store(o_base + _perm(oc)[:, None], a * inv[None, :], mask=hmask[None, :])
+    gl.store(o_base + _cperm(oc, C_BITS)[:, None], a * inv[None, :], mask=hmask[None, :])
 
 
 @gluon.jit
@@ -254,17 +314,17 @@ def _h64_decode_kernel(Q, QPE, O, LSE, BT, LENS, PROT,
                        RCodes, RScale, RZero, ps_rcodes, ps_rscale, ps_rzero,
                        H, stride_qb, stride_qh, stride_rb, stride_rh, stride_pb,
                        stride_ob, stride_oh, stride_os, stride_bt, tiles_per_split, qk_scale,
-                       SINK: gl.constexpr, RECENT: gl.constexpr, SPLIT: gl.constexpr):  # fmt: skip
+                       SINK: gl.constexpr, RECENT: gl.constexpr, SPLIT: gl.constexpr, C_BITS: gl.constexpr):  # fmt: skip
     DC: gl.constexpr = 512
     DR: gl.constexpr = 64
     BN: gl.constexpr = 64
     BH: gl.constexpr = 64
     NG: gl.constexpr = 8
-    WG: gl.constexpr = 8  # 32-bit words per 64-channel group and token
+    WG: gl.constexpr = 2 * C_BITS  # 32-bit words per 64-channel group and token
     NCH: gl.constexpr = 4
     CW: gl.constexpr = DC // NCH
     GC: gl.constexpr = NG // NCH
-    L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 2, 2], [8, 1, 1], [2, 1, 0])  # (tokens, groups, words)
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, WG // 2], [8, 2, 2], [8, 1, 1], [2, 1, 0])  # (tokens, groups, words)
     LR: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [8, 1], [1, 0])  # (tokens, RoPE words)
     LQ: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])  # (64, 128) BF16 rows
     LQR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # (64, 64) BF16 rows
@@ -290,7 +350,7 @@ def _h64_decode_kernel(Q, QPE, O, LSE, BT, LENS, PROT,
     qc = gl.arange(0, CW, layout=gl.SliceLayout(0, LQ))
     q_rows = Q + b * stride_qb + qh[:, None] * stride_qh
     for j in gl.static_range(NCH):
-        q_smem.index(j).store(gl.load(q_rows + j * CW + _perm(qc)[None, :], mask=qh[:, None] < H, other=0.0))
+        q_smem.index(j).store(gl.load(q_rows + j * CW + _cperm(qc, C_BITS)[None, :], mask=qh[:, None] < H, other=0.0))
     rh = pid_h * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, LQR))
     rc = gl.arange(0, DR, layout=gl.SliceLayout(0, LQR))
     qpe = gl.load(QPE + b * stride_rb + rh[:, None] * stride_rh + _perm(rc)[None, :], mask=rh[:, None] < H, other=0.0)
@@ -325,9 +385,9 @@ def _h64_decode_kernel(Q, QPE, O, LSE, BT, LENS, PROT,
         w2, s2, z2, w3_, s3, z3, rwd, sr, nzr = _codes_hi(
             cw, CScale, CZero, rw, RScale, RZero, page, t_lo, low_hi, ps_ccodes, ps_cscale, ps_czero, ps_rcodes,
             ps_rscale, ps_rzero, tok3, g3, w3, tokr, wr, SINK, BN, WG, NG, GC)  # fmt: skip
-        _store_chunk(c_smem, 0, w0, s0, z0, BN, CW)
-        _store_chunk(c_smem, 1, w1, s1, z1, BN, CW)
-        _rebuild_hi(c_smem, r_smem, 0, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, BN, CW, DR)
+        _store_chunk(c_smem, 0, w0, s0, z0, BN, CW, C_BITS)
+        _store_chunk(c_smem, 1, w1, s1, z1, BN, CW, C_BITS)
+        _rebuild_hi(c_smem, r_smem, 0, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, BN, CW, DR, C_BITS)
         t1 = gl.minimum(t_lo + 1, t_hi - 1)
         page = gl.load(bt_row + t1).to(gl.int64)
         w0, s0, z0, w1, s1, z1 = _codes_lo(cw, CScale, CZero, page, t1, low_hi, ps_ccodes, ps_cscale, ps_czero,
@@ -343,7 +403,7 @@ def _h64_decode_kernel(Q, QPE, O, LSE, BT, LENS, PROT,
                 c_smem, r_smem, (t - t_lo) % 2, q_smem, qp_smem, ph_smem, t, t_hi, low_hi, m_i, l_i, a0, a1, a2, a3,
                 w0, s0, z0, w1, s1, z1, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, page, qk_scale, cw, CScale, CZero, rw,
                 RScale, RZero, bt_row, ps_ccodes, ps_cscale, ps_czero, ps_rcodes, ps_rscale, ps_rzero, tok3, g3, w3,
-                tokr, wr, tok_s, SINK, BN, BH, CW, DR, WG, NG, GC, ACC_S, ACC_O)  # fmt: skip
+                tokr, wr, tok_s, SINK, BN, BH, CW, DR, WG, NG, GC, ACC_S, ACC_O, C_BITS)  # fmt: skip
 
     if pid_s == gl.num_programs(1) - 1:  # the protected rows: sink rows, then the ring of the latest RECENT
         pc = gl.arange(0, CW, layout=gl.SliceLayout(0, LQ))
@@ -353,7 +413,7 @@ def _h64_decode_kernel(Q, QPE, O, LSE, BT, LENS, PROT,
             ok = _prot_valid(r, L, SINK, RECENT)
             rows = PROT + b * stride_pb + r[:, None] * (DC + DR)
             for j in gl.static_range(NCH):
-                c_smem.index(j).store(gl.load(rows + j * CW + _perm(pc)[None, :], mask=ok[:, None], other=0.0))
+                c_smem.index(j).store(gl.load(rows + j * CW + _cperm(pc, C_BITS)[None, :], mask=ok[:, None], other=0.0))
             rr = r0 + gl.arange(0, BN, layout=gl.SliceLayout(1, LQR))
             okr = _prot_valid(rr, L, SINK, RECENT)
             kr = gl.load(PROT + b * stride_pb + rr[:, None] * (DC + DR) + DC + _perm(pr)[None, :], mask=okr[:, None],
@@ -382,10 +442,10 @@ def _h64_decode_kernel(Q, QPE, O, LSE, BT, LENS, PROT,
     oh = pid_h * BH + gl.arange(0, BH, layout=gl.SliceLayout(0, ACC_O))
     hmask = oh < H
     o_base = O + b * stride_ob + oh[None, :] * stride_oh + pid_s * stride_os
-    _store_out(O, o_base, a0, inv, 0, CW, hmask, ACC_O)
-    _store_out(O, o_base, a1, inv, 1, CW, hmask, ACC_O)
-    _store_out(O, o_base, a2, inv, 2, CW, hmask, ACC_O)
-    _store_out(O, o_base, a3, inv, 3, CW, hmask, ACC_O)
+    _store_out(O, o_base, a0, inv, 0, CW, hmask, ACC_O, C_BITS)
+    _store_out(O, o_base, a1, inv, 1, CW, hmask, ACC_O, C_BITS)
+    _store_out(O, o_base, a2, inv, 2, CW, hmask, ACC_O, C_BITS)
+    _store_out(O, o_base, a3, inv, 3, CW, hmask, ACC_O, C_BITS)
     lh = pid_h * BH + gl.arange(0, BH, layout=gl.SliceLayout(0, ACC_S))
     if SPLIT:
         gl.store(LSE + (b * H + lh) * gl.num_programs(1) + pid_s, lse, mask=lh < H)
@@ -407,17 +467,18 @@ def decode(layer, block_table, lengths, q, qpe, o, lse, tau: float, splits: int,
         r[1], r[2], r[3], r[5], r[6], r[7],
         H, q.stride(0), q.stride(1), qpe.stride(0), qpe.stride(1), prot.stride(0),
         o.stride(0), o.stride(1), o.stride(2), block_table.stride(0), per, tau * LOG2E,
-        SINK=layer.sink, RECENT=layer.recent, SPLIT=splits > 1, num_warps=8,
+        SINK=layer.sink, RECENT=layer.recent, SPLIT=splits > 1, C_BITS=layer.fmt.content_bits, num_warps=8,
     )  # fmt: skip
 
 
 def applies(layer, H: int, device) -> bool:
-    """Whether this kernel takes ``layer`` for ``H`` heads on ``device``: C4R4 in a BF16 cache,
-    group 64, d_c 512, d_r 64, protection buffers on, more than 16 heads, a Hopper GPU."""
+    """Whether this kernel takes ``layer`` for ``H`` heads on ``device``: C4R4 or C2R4 in a BF16
+    cache, group 64, d_c 512, d_r 64, protection buffers on, more than 16 heads, a Hopper GPU."""
     fmt = layer.fmt
-    shape = (fmt.content_bits, fmt.rope_bits, fmt.dtype, fmt.group, fmt.d_c, fmt.d_r)
+    shape = (fmt.rope_bits, fmt.dtype, fmt.group, fmt.d_c, fmt.d_r)
     return (
-        shape == (4, 4, torch.bfloat16, 64, 512, 64)
+        fmt.content_bits in (2, 4)
+        and shape == (4, torch.bfloat16, 64, 512, 64)
         and layer.prot is not None
         and H > 16
         and device.type == "cuda"

@@ -383,7 +383,7 @@ TILES = {
     # two per SM. Above 16 heads, P enters P·V as one BF16 tile (FlashMLA's precision): that is
     # what lets 64-head programs compile to wgmma, one program per 64 heads reconstructing each
     # tile once. Four content chunks cut the registers a reconstructed tile holds (v13). Where the
-    # Gluon Hopper kernel applies (C4R4, see gluon_decode.applies), it runs instead (v15).
+    # Gluon Hopper kernel applies (C4R4 and C2R4, see gluon_decode.applies), it runs instead (v15).
     (False, False): dict(block_h=16, block_n=64, num_warps=4, num_stages=2, chunks=4),
     (False, True): dict(block_h=16, block_n=64, num_warps=4, num_stages=2, chunks=4),
     (True, False): dict(block_h=64, block_n=64, num_warps=8, num_stages=2, pv_split=False),
