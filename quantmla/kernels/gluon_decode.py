@@ -259,6 +259,22 @@ def _pv(c_smem, ph_smem, buf, a0, a1, a2, a3):
 
 
 @gluon.jit
+def _softmax_pv(s, valid, m_i, l_i, a0, a1, a2, a3, qk_scale, c_smem, ph_smem, buf, ACC_O: gl.constexpr):
+    """The online softmax of scores ``s`` (tokens x heads, ``valid`` tokens), the accumulators
+    rescaled, P^T to shared memory, and O^T += C^T P^T issued for the tile in buffer ``buf``."""
+    m_i, l_i, p, alpha = _softmax(s, valid, m_i, l_i, qk_scale, ACC_O)
+    a0 = a0 * alpha[None, :]
+    a1 = a1 * alpha[None, :]
+    a2 = a2 * alpha[None, :]
+    a3 = a3 * alpha[None, :]
+    ph_smem.store(p.to(gl.bfloat16))
+    fence_async_shared()
+    _barrier()  # P (and a tile stored since the last barrier) visible to both warpgroups' wgmma
+    a0, a1, a2, a3 = _pv(c_smem, ph_smem, buf, a0, a1, a2, a3)
+    return m_i, l_i, a0, a1, a2, a3
+
+
+@gluon.jit
 def _step(c_smem, r_smem, cur, q_smem, qp_smem, ph_smem, t, t_hi, low_hi, m_i, l_i, a0, a1, a2, a3,
           w0, s0, z0, w1, s1, z1, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, page, qk_scale, cw, CScale, CZero, rw,
           RScale, RZero, bt_row, ps_ccodes, ps_cscale, ps_czero, ps_rcodes, ps_rscale, ps_rzero, tok3, g3, w3, tokr,
@@ -278,15 +294,7 @@ def _step(c_smem, r_smem, cur, q_smem, qp_smem, ph_smem, t, t_hi, low_hi, m_i, l
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     offs_s = t * BN + tok_s
     valid = (offs_s < low_hi) & (offs_s >= SINK)
-    m_i, l_i, p, alpha = _softmax(s, valid, m_i, l_i, qk_scale, ACC_O)
-    a0 = a0 * alpha[None, :]
-    a1 = a1 * alpha[None, :]
-    a2 = a2 * alpha[None, :]
-    a3 = a3 * alpha[None, :]
-    ph_smem.store(p.to(gl.bfloat16))
-    fence_async_shared()
-    _barrier()
-    a0, a1, a2, a3 = _pv(c_smem, ph_smem, cur, a0, a1, a2, a3)
+    m_i, l_i, a0, a1, a2, a3 = _softmax_pv(s, valid, m_i, l_i, a0, a1, a2, a3, qk_scale, c_smem, ph_smem, cur, ACC_O)
     # while they run P·V: tile t + 2's codes (its page was read a step ahead) and the page of t + 3
     w0, s0, z0, w1, s1, z1 = _codes_lo(cw, CScale, CZero, page, t2, low_hi, ps_ccodes, ps_cscale, ps_czero,
                                        tok3, g3, w3, SINK, BN, WG, NG, GC)  # fmt: skip
@@ -424,15 +432,8 @@ def _h64_decode_kernel(Q, QPE, O, LSE, BT, LENS, PROT,
             s = _scores(c_smem, r_smem, q_smem, qp_smem, 0, BN, BH, ACC_S)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             valid = _prot_valid(r0 + tok_s, L, SINK, RECENT)
-            m_i, l_i, p, alpha = _softmax(s, valid, m_i, l_i, qk_scale, ACC_O)
-            a0 = a0 * alpha[None, :]
-            a1 = a1 * alpha[None, :]
-            a2 = a2 * alpha[None, :]
-            a3 = a3 * alpha[None, :]
-            ph_smem.store(p.to(gl.bfloat16))
-            fence_async_shared()
-            _barrier()
-            a0, a1, a2, a3 = _pv(c_smem, ph_smem, 0, a0, a1, a2, a3)
+            m_i, l_i, a0, a1, a2, a3 = _softmax_pv(s, valid, m_i, l_i, a0, a1, a2, a3, qk_scale, c_smem, ph_smem, 0,
+                                                   ACC_O)  # fmt: skip
             a0, a1, a2, a3 = warpgroup_mma_wait(num_outstanding=0, deps=(a0, a1, a2, a3))
             _barrier()
 
