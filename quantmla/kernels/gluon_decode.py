@@ -176,13 +176,14 @@ def _chunk_codes(cw, CScale, CZero, page, ok, J: gl.constexpr, ps_ccodes, ps_csc
 
 @gluon.jit
 def _codes_lo(cw, CScale, CZero, page, t, low_hi, ps_ccodes, ps_cscale, ps_czero, tok3, g3, w3,
-              SINK: gl.constexpr, BN: gl.constexpr, WG: gl.constexpr, NG: gl.constexpr, GC: gl.constexpr):  # fmt: skip
-    """Content chunks 0 and 1 of tile ``t`` on ``page``, in registers."""
+              SINK: gl.constexpr, BN: gl.constexpr, WG: gl.constexpr, NG: gl.constexpr, GC: gl.constexpr,
+              J: gl.constexpr = 0):  # fmt: skip
+    """Content chunks J and J + 1 (0 and 1 by default) of tile ``t`` on ``page``, in registers."""
     offs3 = t * BN + tok3
     ok3 = (offs3 < low_hi) & (offs3 >= SINK)
-    w0, s0, z0 = _chunk_codes(cw, CScale, CZero, page, ok3, 0, ps_ccodes, ps_cscale, ps_czero, tok3, g3, w3,
+    w0, s0, z0 = _chunk_codes(cw, CScale, CZero, page, ok3, J, ps_ccodes, ps_cscale, ps_czero, tok3, g3, w3,
                               BN, WG, NG, GC)  # fmt: skip
-    w1, s1, z1 = _chunk_codes(cw, CScale, CZero, page, ok3, 1, ps_ccodes, ps_cscale, ps_czero, tok3, g3, w3,
+    w1, s1, z1 = _chunk_codes(cw, CScale, CZero, page, ok3, J + 1, ps_ccodes, ps_cscale, ps_czero, tok3, g3, w3,
                               BN, WG, NG, GC)  # fmt: skip
     return w0, s0, z0, w1, s1, z1
 
@@ -192,12 +193,8 @@ def _codes_hi(cw, CScale, CZero, rw, RScale, RZero, page, t, low_hi, ps_ccodes, 
               ps_rscale, ps_rzero, tok3, g3, w3, tokr, wr, SINK: gl.constexpr, BN: gl.constexpr, WG: gl.constexpr,
               NG: gl.constexpr, GC: gl.constexpr):  # fmt: skip
     """Content chunks 2 and 3 and the RoPE rows of tile ``t`` on ``page``, in registers."""
-    offs3 = t * BN + tok3
-    ok3 = (offs3 < low_hi) & (offs3 >= SINK)
-    w2, s2, z2 = _chunk_codes(cw, CScale, CZero, page, ok3, 2, ps_ccodes, ps_cscale, ps_czero, tok3, g3, w3,
-                              BN, WG, NG, GC)  # fmt: skip
-    w3_, s3, z3 = _chunk_codes(cw, CScale, CZero, page, ok3, 3, ps_ccodes, ps_cscale, ps_czero, tok3, g3, w3,
-                               BN, WG, NG, GC)  # fmt: skip
+    w2, s2, z2, w3_, s3, z3 = _codes_lo(cw, CScale, CZero, page, t, low_hi, ps_ccodes, ps_cscale, ps_czero, tok3,
+                                        g3, w3, SINK, BN, WG, NG, GC, 2)  # fmt: skip
     offsr = t * BN + tokr
     okr = (offsr < low_hi) & (offsr >= SINK)
     rwords = gl.load(rw + page * (ps_rcodes // 4) + tokr[:, None] * 8 + wr[None, :])
