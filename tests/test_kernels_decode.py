@@ -62,10 +62,20 @@ def test_decode_kernel_matches_reference(case):
 
 
 def test_decode_splits_where_the_last_holds_only_the_protected_rows():
-    """Work is page tiles plus protected tiles, cut into equal shares, and the last split takes the
-    protected rows: with 300 and 90 tokens (5 and 2 page tiles of 64, plus 3 protected tiles) and 8
-    splits of one tile each, splits 5-6 hold nothing for either request and split 7 only the
-    protected rows. Every split count gives the reference's output."""
+    """Work is the page tiles up to the recent window plus the protected tiles, cut into equal
+    shares, and the last split takes the protected rows: with 300 and 90 tokens (3 and 1 page tiles
+    of 64, plus 3 protected tiles) and 8 splits asked for, 6 splits of one tile run, splits 3-4 hold
+    nothing for either request and split 5 only the protected rows. Every split count gives the
+    reference's output."""
+    from quantmla.kernels.triton_decode import split_work
+
+    c4r4 = PagedLayer(PageFormat(4, 4), 1, "cpu", batch=1, sink=4, recent=128)
+    bf16 = PagedLayer(PageFormat(16, 16), 1, "cpu", batch=1, sink=4, recent=128)
+    assert split_work(c4r4, 300, 64, 8) == (6, 1)
+    assert split_work(c4r4, 300, 64, 8, sink_in_tile0=True) == (5, 1)  # the Gluon kernel's count
+    assert split_work(c4r4, 8192, 64, 2) == (2, 65)  # 126 page tiles + 3 protected
+    assert split_work(c4r4, 8192, 64, 2, sink_in_tile0=True) == (2, 64)  # 126 + 2: BF16's 128 tiles
+    assert split_work(bf16, 8192, 64, 2) == (2, 64) and bf16.prot is None
     gen = torch.Generator().manual_seed(5)
     layer, bt, lens, _, _ = filled_layer(PageFormat(4, 4), [300, 90], gen)
     q, qp = _queries(2, 16, gen)
@@ -75,6 +85,36 @@ def test_decode_splits_where_the_last_holds_only_the_protected_rows():
         o, lse = kernels.decode(layer, bt, lens, q, qp, 576**-0.5, "triton", dict(block_n=64, num_splits=splits), out)
         assert not torch.isnan(o).any() and not torch.isnan(lse).any()
         assert rel(o, o_ref) < TOL and rel(lse, lse_ref) < TOL, splits
+
+
+@pytest.mark.parametrize(
+    "cb, H, lengths",
+    [
+        (4, 16, [300, 70, 3, 200]),
+        (2, 16, [133, 260]),
+        pytest.param(4, 128, [4000, 300, 70, 3], marks=pytest.mark.skipif(DEVICE.type == "cpu", reason="GPU: Gluon")),
+        pytest.param(2, 128, [2500, 133], marks=pytest.mark.skipif(DEVICE.type == "cpu", reason="GPU: Gluon")),
+    ],
+    ids=str,
+)
+def test_decode_reads_protected_rows_from_the_protection_buffer(cb, H, lengths):
+    """The sink and the recent ring are attended to from the BF16 protection buffer, never from the
+    pages: with those rows replaced by unrelated values (so that reading a page instead moves the
+    output by O(1)), the kernel still matches the reference, one split and several. Above 16 heads
+    on a Hopper GPU this is the Gluon kernel, whose sink rows ride in page tile 0."""
+    gen = torch.Generator().manual_seed(11 + cb + H)
+    layer, bt, lens, _, _ = filled_layer(PageFormat(cb, 4), lengths, gen)
+    q, qp = _queries(len(lengths), H, gen)
+    o_pages, _ = ref.decode(layer, bt, lens, q, qp, 576**-0.5)
+    layer.prot.copy_((torch.randn(layer.prot.shape, generator=gen) * 3 - 1).to(layer.prot.device, layer.prot.dtype))
+    o_ref, lse_ref = ref.decode(layer, bt, lens, q, qp, 576**-0.5)
+    assert all(rel(o_pages[b], o_ref[b]) > 0.1 for b in range(len(lengths)))  # they weigh in every request
+    tol = 1e-2 if H > 16 else TOL  # P as one BF16 tile above 16 heads
+    for cfg in (dict(num_splits=1), dict(num_splits=3)):
+        out = _poisoned(len(lengths), H)
+        o, lse = kernels.decode(layer, bt, lens, q, qp, 576**-0.5, "triton", cfg, out=out)
+        assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+        assert rel(o, o_ref) < tol and rel(lse, lse_ref) < TOL and same_inf(lse, lse_ref), cfg
 
 
 def test_decode_of_an_empty_request():
@@ -200,7 +240,7 @@ def test_gluon_decode_matches_reference(cb, H, splits):
     """C4R4 and C2R4 above 16 heads run the Gluon kernel by default: ragged requests (shorter than
     the protected rows, not page multiples, empty), one, three or the default number of splits;
     every output written, within P's BF16 rounding of the float32 reference, LSE to 1e-3."""
-    from quantmla.kernels.triton_decode import default_config, split_work, uses_gluon
+    from quantmla.kernels.triton_decode import default_config, plan
 
     gen = torch.Generator().manual_seed(H + 7 * cb)
     lengths = [4000, 300, 70, 1, 0]
@@ -208,7 +248,7 @@ def test_gluon_decode_matches_reference(cb, H, splits):
     q, qp = _queries(len(lengths), H, gen)
     cfg = {} if splits is None else dict(num_splits=splits)
     full = default_config(len(lengths), H, 4000, layer.fmt, q.device, cfg)
-    assert uses_gluon(layer, H, full, q.device, split_work(layer, 4000, 64, full["num_splits"])[1])
+    assert plan(layer, H, full, q.device, 4000)[0]
     o_ref, lse_ref = ref.decode(layer, bt, lens, q, qp, 576**-0.5)
     out = _poisoned(len(lengths), H)
     o, lse = kernels.decode(layer, bt, lens, q, qp, 576**-0.5, "triton", cfg, out=out)

@@ -15,8 +15,10 @@ Two tile buffers (64 tokens x 576 channels, 144 KB), the query block (72 KB) and
 of the 227 KB of shared memory; O^T is four 128 x 64 float32 accumulators (128 registers per
 thread). P enters P·V as one BF16 tile, as in the Triton kernel above 16 heads. Codes are unpacked
 eight (4-bit) or sixteen (2-bit) per 32-bit word by one PTX block into a channel order permuted
-within each 8- or 16-channel block; the queries, protected rows and the output use the same order. Splits, the protected rows on the
-last split and the LSE merge are the Triton kernel's.
+within each 8- or 16-channel block; the queries, protected rows and the output use the same order. Splits and the
+LSE merge are the Triton kernel's; the protected rows are not: the sink rows are swapped into page tile 0
+as it is rebuilt (in the prologue of split 0), and the last split attends to the recent ring alone, two
+tiles of 64 where the Triton kernel takes three for sink and ring (``triton_decode.split_work``).
 
 Takes C4R4 or C2R4 in a BF16 cache (group 64, d_c 512, d_r 64) with protection buffers, on a Hopper GPU;
 :func:`applies` says when, and :func:`quantmla.kernels.triton_decode.decode` dispatches here for
@@ -160,6 +162,45 @@ def _perm(c):
 
 
 @gluon.jit
+def _prot_tile(c_smem, r_smem, buf, prot, r0, L, SINK: gl.constexpr, RECENT: gl.constexpr, BN: gl.constexpr,
+               CW: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr, NCH: gl.constexpr, LQ: gl.constexpr,
+               LQR: gl.constexpr, C_BITS: gl.constexpr):  # fmt: skip
+    """Protected rows r0 .. r0 + BN - 1 (BF16, rows of d_c + d_r at ``prot``) into buffer ``buf``,
+    in the permuted channel order; rows that hold no token are zero."""
+    r = r0 + gl.arange(0, BN, layout=gl.SliceLayout(1, LQ))
+    pc = gl.arange(0, CW, layout=gl.SliceLayout(0, LQ))
+    rows = prot + r[:, None] * (DC + DR)
+    ok = _prot_valid(r, L, SINK, RECENT)[:, None]
+    for j in gl.static_range(NCH):
+        c_smem.index(NCH * buf + j).store(gl.load(rows + j * CW + _cperm(pc, C_BITS)[None, :], mask=ok, other=0.0))
+    rr = r0 + gl.arange(0, BN, layout=gl.SliceLayout(1, LQR))
+    pr = gl.arange(0, DR, layout=gl.SliceLayout(0, LQR))
+    okr = _prot_valid(rr, L, SINK, RECENT)[:, None]
+    r_smem.index(buf).store(gl.load(prot + rr[:, None] * (DC + DR) + DC + _perm(pr)[None, :], mask=okr, other=0.0))
+
+
+@gluon.jit
+def _swap_sink(c_smem, r_smem, prot, sink_hi, SINK: gl.constexpr, BN: gl.constexpr, CW: gl.constexpr,
+               DC: gl.constexpr, DR: gl.constexpr, NCH: gl.constexpr, LQ: gl.constexpr, LQR: gl.constexpr,
+               C_BITS: gl.constexpr):  # fmt: skip
+    """Rows 0 .. SINK - 1 of the tile in buffer 0 (page tile 0) replaced by the sink rows of the
+    protection buffer (those past the request's ``sink_hi`` tokens by zero); each thread reads
+    and writes back the same elements, the other rows unchanged."""
+    r = gl.arange(0, BN, layout=gl.SliceLayout(1, LQ))
+    pc = gl.arange(0, CW, layout=gl.SliceLayout(0, LQ))
+    for j in gl.static_range(NCH):
+        x = c_smem.index(j).load(LQ)
+        p = gl.load(prot + r[:, None] * (DC + DR) + j * CW + _cperm(pc, C_BITS)[None, :],
+                    mask=(r < sink_hi)[:, None], other=0.0)  # fmt: skip
+        c_smem.index(j).store(gl.where((r < SINK)[:, None], p, x))
+    rr = gl.arange(0, BN, layout=gl.SliceLayout(1, LQR))
+    pr = gl.arange(0, DR, layout=gl.SliceLayout(0, LQR))
+    xr = r_smem.index(0).load(LQR)
+    pk = gl.load(prot + rr[:, None] * (DC + DR) + DC + _perm(pr)[None, :], mask=(rr < sink_hi)[:, None], other=0.0)
+    r_smem.index(0).store(gl.where((rr < SINK)[:, None], pk, xr))
+
+
+@gluon.jit
 def _chunk_codes(cw, CScale, CZero, page, ok, J: gl.constexpr, ps_ccodes, ps_cscale, ps_czero, tok3,
                  g3, w3, BN: gl.constexpr, WG: gl.constexpr, NG: gl.constexpr, GC: gl.constexpr):  # fmt: skip
     """Code words (BN, GC, WG), scales and zero-points (BN, GC) of content chunk J of a tile
@@ -272,7 +313,7 @@ def _softmax_pv(s, valid, m_i, l_i, a0, a1, a2, a3, qk_scale, c_smem, ph_smem, b
 
 
 @gluon.jit
-def _step(c_smem, r_smem, cur, q_smem, qp_smem, ph_smem, t, t_hi, low_hi, m_i, l_i, a0, a1, a2, a3,
+def _step(c_smem, r_smem, cur, q_smem, qp_smem, ph_smem, t, t_hi, low_hi, sink_hi, m_i, l_i, a0, a1, a2, a3,
           w0, s0, z0, w1, s1, z1, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, page, qk_scale, cw, CScale, CZero, rw,
           RScale, RZero, bt_row, ps_ccodes, ps_cscale, ps_czero, ps_rcodes, ps_rscale, ps_rzero, tok3, g3, w3, tokr,
           wr, tok_s, SINK: gl.constexpr, BN: gl.constexpr, BH: gl.constexpr, CW: gl.constexpr, DR: gl.constexpr,
@@ -290,7 +331,7 @@ def _step(c_smem, r_smem, cur, q_smem, qp_smem, ph_smem, t, t_hi, low_hi, m_i, l
     _rebuild_hi(c_smem, r_smem, nxt, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, BN, CW, DR, C_BITS)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     offs_s = t * BN + tok_s
-    valid = (offs_s < low_hi) & (offs_s >= SINK)
+    valid = ((offs_s < low_hi) & (offs_s >= SINK)) | (offs_s < sink_hi)  # page rows; the sink (swapped into tile 0)
     m_i, l_i, a0, a1, a2, a3 = _softmax_pv(s, valid, m_i, l_i, a0, a1, a2, a3, qk_scale, c_smem, ph_smem, cur, ACC_O)
     # while they run P·V: tile t + 2's codes (its page was read a step ahead) and the page of t + 3
     w0, s0, z0, w1, s1, z1 = _codes_lo(cw, CScale, CZero, page, t2, low_hi, ps_ccodes, ps_cscale, ps_czero,
@@ -361,10 +402,11 @@ def _h64_decode_kernel(Q, QPE, O, LSE, BT, LENS, PROT,
     qpe = gl.load(QPE + b * stride_rb + rh[:, None] * stride_rh + _perm(rc)[None, :], mask=rh[:, None] < H, other=0.0)
     qp_smem.store(qpe)
 
-    n_tiles = gl.cdiv(L, BN)
+    low_hi = L - RECENT  # tokens SINK <= t < L - RECENT are read from the pages
+    sink_hi = gl.minimum(L, SINK)  # tokens t < SINK from the protection buffer, in page tile 0
+    n_tiles = gl.cdiv(gl.minimum(gl.maximum(low_hi, SINK), L), BN)  # as triton_decode.split_work counts them
     t_lo = pid_s * tiles_per_split
     t_hi = gl.minimum(t_lo + tiles_per_split, n_tiles)
-    low_hi = L - RECENT
     m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(0, ACC_S))
     l_i = gl.zeros([BH], gl.float32, layout=gl.SliceLayout(0, ACC_S))
     a0 = gl.zeros([CW, BH], gl.float32, layout=ACC_O)
@@ -403,27 +445,22 @@ def _h64_decode_kernel(Q, QPE, O, LSE, BT, LENS, PROT,
         page = gl.load(bt_row + gl.minimum(t_lo + 2, t_hi - 1)).to(gl.int64)
         fence_async_shared()
         _barrier()
+        if SINK > 0:
+            if t_lo == 0:  # the sink rows (zero in the rebuilt tile: their scales are masked) swapped in
+                _swap_sink(c_smem, r_smem, PROT + b * stride_pb, sink_hi, SINK, BN, CW, DC, DR, NCH, LQ, LQR, C_BITS)
+                fence_async_shared()
+                _barrier()
         for t in range(t_lo, t_hi):
             m_i, l_i, a0, a1, a2, a3, w0, s0, z0, w1, s1, z1, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, page = _step(
-                c_smem, r_smem, (t - t_lo) % 2, q_smem, qp_smem, ph_smem, t, t_hi, low_hi, m_i, l_i, a0, a1, a2, a3,
+                c_smem, r_smem, (t - t_lo) % 2, q_smem, qp_smem, ph_smem, t, t_hi, low_hi, sink_hi, m_i, l_i, a0, a1, a2, a3,
                 w0, s0, z0, w1, s1, z1, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, page, qk_scale, cw, CScale, CZero, rw,
                 RScale, RZero, bt_row, ps_ccodes, ps_cscale, ps_czero, ps_rcodes, ps_rscale, ps_rzero, tok3, g3, w3,
                 tokr, wr, tok_s, SINK, BN, BH, CW, DR, WG, NG, GC, ACC_S, ACC_O, C_BITS)  # fmt: skip
 
-    if pid_s == gl.num_programs(1) - 1:  # the protected rows: sink rows, then the ring of the latest RECENT
-        pc = gl.arange(0, CW, layout=gl.SliceLayout(0, LQ))
-        pr = gl.arange(0, DR, layout=gl.SliceLayout(0, LQR))
-        for r0 in range(0, SINK + RECENT, BN):
-            r = r0 + gl.arange(0, BN, layout=gl.SliceLayout(1, LQ))
-            ok = _prot_valid(r, L, SINK, RECENT)
-            rows = PROT + b * stride_pb + r[:, None] * (DC + DR)
-            for j in gl.static_range(NCH):
-                c_smem.index(j).store(gl.load(rows + j * CW + _cperm(pc, C_BITS)[None, :], mask=ok[:, None], other=0.0))
-            rr = r0 + gl.arange(0, BN, layout=gl.SliceLayout(1, LQR))
-            okr = _prot_valid(rr, L, SINK, RECENT)
-            kr = gl.load(PROT + b * stride_pb + rr[:, None] * (DC + DR) + DC + _perm(pr)[None, :], mask=okr[:, None],
-                         other=0.0)  # fmt: skip
-            r_smem.index(0).store(kr)
+    if pid_s == gl.num_programs(1) - 1:  # the ring of the latest RECENT rows
+        prot = PROT + b * stride_pb
+        for r0 in range(SINK, SINK + RECENT, BN):
+            _prot_tile(c_smem, r_smem, 0, prot, r0, L, SINK, RECENT, BN, CW, DC, DR, NCH, LQ, LQR, C_BITS)
             fence_async_shared()
             _barrier()
             s = _scores(c_smem, r_smem, q_smem, qp_smem, 0, BN, BH, ACC_S)

@@ -255,7 +255,12 @@ def _decode_kernel(
     q0, q1, q2, q3 = _chunks(q_rows, cw[None, :], qm, CW, NCH)
     qpe = tl.load(QPE + b * stride_rb + heads[:, None] * stride_rh + dr[None, :], mask=hmask[:, None], other=0.0)
 
-    n_tiles = tl.cdiv(L, BLOCK_N)
+    if HAS_PROT:
+        low_hi = L - RECENT  # tokens SINK <= t < L - RECENT are read from the pages
+        n_tiles = tl.cdiv(tl.minimum(tl.maximum(low_hi, SINK), L), BLOCK_N)  # as split_work counts them
+    else:
+        low_hi = L
+        n_tiles = tl.cdiv(L, BLOCK_N)
     t_lo = pid_s * tiles_per_split
     t_hi = tl.minimum(t_lo + tiles_per_split, n_tiles)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -264,10 +269,6 @@ def _decode_kernel(
     a1 = a0
     a2 = a0
     a3 = a0
-    if HAS_PROT:
-        low_hi = L - RECENT  # tokens SINK <= t < L - RECENT are read from the pages
-    else:
-        low_hi = L
     TPP: tl.constexpr = PAGE_SIZE // BLOCK_N  # tiles per page: a tile never straddles two pages
     # The block-table entry and the small metadata loads of a tile are issued one tile ahead,
     # so their latency hides behind the previous tile's work (the codes and rows themselves
@@ -432,12 +433,19 @@ def _config(B: int, H: int, max_len: int, fmt, device, key: tuple) -> dict:
     return cfg
 
 
-def split_work(layer, max_len: int, block_n: int, num_splits: int) -> tuple[int, int]:
-    """(splits, tiles per split) for ``num_splits`` requested. The last split also attends to the
-    protected rows, so it takes that many fewer page tiles: work is counted in tiles, pages first,
-    and cut into equal shares."""
-    tiles = max(1, triton.cdiv(max_len, block_n))
-    work = tiles + (triton.cdiv(layer.sink + layer.recent, block_n) if layer.prot is not None else 0)
+def split_work(layer, max_len: int, block_n: int, num_splits: int, sink_in_tile0: bool = False) -> tuple[int, int]:
+    """(splits, tiles per split) for ``num_splits`` requested. Work is counted in tiles: the page
+    tiles up to the recent window (at least the one that holds the sink), then the tiles of the
+    protected rows, which the last split attends to, so it takes that many fewer page tiles; cut
+    into equal shares. The Triton kernel attends to sink and ring there (132 rows: 3 tiles of
+    64); the Gluon kernel swaps the sink rows into page tile 0 (``sink_in_tile0``: 2 tiles)."""
+    if layer.prot is None:
+        pages, prot = triton.cdiv(max_len, block_n), 0
+    else:
+        end = min(max(max_len - layer.recent, layer.sink), max_len)
+        rows = layer.recent + (0 if sink_in_tile0 else layer.sink)
+        pages, prot = triton.cdiv(end, block_n), triton.cdiv(rows, block_n)
+    work = max(1, pages + prot)
     splits = max(1, min(num_splits, work))
     per = triton.cdiv(work, splits)
     return triton.cdiv(work, per), per
@@ -471,6 +479,15 @@ def uses_gluon(layer, H: int, cfg: dict, device, per: int) -> bool:
     return g is not None and g.applies(layer, H, device)
 
 
+def plan(layer, H: int, cfg: dict, device, max_len: int) -> tuple[bool, int, int]:
+    """(Gluon kernel?, splits, tiles per split) for a decode with tiles ``cfg``: the Gluon kernel
+    where :func:`uses_gluon` takes the shape with its own work count, else the Triton kernel."""
+    splits, per = split_work(layer, max_len, cfg["block_n"], int(cfg["num_splits"]), sink_in_tile0=True)
+    if uses_gluon(layer, H, cfg, device, per):
+        return True, splits, per
+    return False, *split_work(layer, max_len, cfg["block_n"], int(cfg["num_splits"]))
+
+
 def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | None = None, out=None):
     """Triton decode; see :func:`quantmla.kernels.reference.decode` for the contract."""
     fmt = layer.fmt
@@ -482,7 +499,7 @@ def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | 
     block_h, block_n = cfg["block_h"], cfg["block_n"]
     if block_h < 16 or block_n < 16 or PAGE % block_n or (block_h & (block_h - 1)):
         raise ValueError(f"decode tiles: block_n must divide {PAGE}, both powers of two of at least 16; got {cfg}")
-    splits, per = split_work(layer, max_len, block_n, int(cfg["num_splits"]))
+    gluon, splits, per = plan(layer, H, cfg, dev, max_len)
     q = q_lat.to(fmt.dtype).contiguous()
     qpe = q_pe.to(fmt.dtype).contiguous()
     o, lse = out if out is not None else (torch.empty(B, H, fmt.d_c, dtype=torch.float32, device=dev), None)
@@ -492,7 +509,7 @@ def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | 
     split = splits > 1
     op = torch.empty(B, H, splits, fmt.d_c, dtype=torch.float32, device=dev) if split else o.unsqueeze(2)
     lsep = torch.empty(B, H, splits, dtype=torch.float32, device=dev) if split else lse
-    if uses_gluon(layer, H, cfg, dev, per):
+    if gluon:
         _gluon().decode(layer, block_table, lengths, q, qpe, op, lsep, tau, splits, per)
     else:
         _launch(layer, block_table, lengths, q, qpe, op, lsep, tau, cfg, splits, per)
@@ -561,4 +578,4 @@ def _launch(layer, block_table, lengths, q, qpe, op, lsep, tau, cfg, splits, per
     )
 
 
-__all__ = ["decode", "default_config", "split_work", "uses_gluon"]
+__all__ = ["decode", "default_config", "plan", "split_work", "uses_gluon"]
