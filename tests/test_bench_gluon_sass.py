@@ -1,0 +1,28 @@
+"""bench/gluon_sass.py compiles the Gluon decode kernel for sm_90 with the installed Triton (no GPU
+needed) and finds its two tile loops: the page loop and the recent ring's, each issuing the
+52 HGMMA of one 64-token tile (scores: 4 chunks x 8 + RoPE 4; P·V: 4 chunks x 4)."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_gluon_kernel_compiles_for_hopper_with_one_tile_per_loop_iteration(bits):
+    pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a real compile, not the interpreter
+    r = subprocess.run(
+        [sys.executable, "bench/gluon_sass.py", "--bits", str(bits)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    head = re.search(rf"C{bits}R4: REG:(\d+) STACK:(\d+) shared=(\d+) B", r.stdout)
+    assert head and int(head.group(3)) <= 227 * 1024, r.stdout  # fits one SM's shared memory
+    hgmma = [int(n) for n in re.findall(r"loop \d+: \d+ instructions, (\d+) HGMMA", r.stdout)]
+    assert hgmma == [52, 52], r.stdout
