@@ -162,21 +162,31 @@ def _perm(c):
 
 
 @gluon.jit
-def _prot_tile(c_smem, r_smem, buf, prot, r0, L, SINK: gl.constexpr, RECENT: gl.constexpr, BN: gl.constexpr,
+def _prot_rows(prot, r, ok, J: gl.constexpr, CW: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr,
+               C_BITS: gl.constexpr):  # fmt: skip
+    """Content chunk J of protected rows ``r`` (BF16 rows of d_c + d_r at ``prot``; rows not ``ok``
+    zero) in the permuted channel order, in ``r``'s layout."""
+    pc = gl.arange(0, CW, layout=gl.SliceLayout(0, r.type.layout.parent))
+    return gl.load(prot + r[:, None] * (DC + DR) + J * CW + _cperm(pc, C_BITS)[None, :], mask=ok[:, None], other=0.0)
+
+
+@gluon.jit
+def _prot_rope(prot, r, ok, DC: gl.constexpr, DR: gl.constexpr):
+    """The RoPE keys of protected rows ``r`` (rows not ``ok`` zero), permuted, in ``r``'s layout."""
+    pr = gl.arange(0, DR, layout=gl.SliceLayout(0, r.type.layout.parent))
+    return gl.load(prot + r[:, None] * (DC + DR) + DC + _perm(pr)[None, :], mask=ok[:, None], other=0.0)
+
+
+@gluon.jit
+def _prot_tile(c_smem, r_smem, prot, r0, L, SINK: gl.constexpr, RECENT: gl.constexpr, BN: gl.constexpr,
                CW: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr, NCH: gl.constexpr, LQ: gl.constexpr,
                LQR: gl.constexpr, C_BITS: gl.constexpr):  # fmt: skip
-    """Protected rows r0 .. r0 + BN - 1 (BF16, rows of d_c + d_r at ``prot``) into buffer ``buf``,
-    in the permuted channel order; rows that hold no token are zero."""
+    """Protected rows r0 .. r0 + BN - 1 into buffer 0; rows that hold no token are zero."""
     r = r0 + gl.arange(0, BN, layout=gl.SliceLayout(1, LQ))
-    pc = gl.arange(0, CW, layout=gl.SliceLayout(0, LQ))
-    rows = prot + r[:, None] * (DC + DR)
-    ok = _prot_valid(r, L, SINK, RECENT)[:, None]
     for j in gl.static_range(NCH):
-        c_smem.index(NCH * buf + j).store(gl.load(rows + j * CW + _cperm(pc, C_BITS)[None, :], mask=ok, other=0.0))
+        c_smem.index(j).store(_prot_rows(prot, r, _prot_valid(r, L, SINK, RECENT), j, CW, DC, DR, C_BITS))
     rr = r0 + gl.arange(0, BN, layout=gl.SliceLayout(1, LQR))
-    pr = gl.arange(0, DR, layout=gl.SliceLayout(0, LQR))
-    okr = _prot_valid(rr, L, SINK, RECENT)[:, None]
-    r_smem.index(buf).store(gl.load(prot + rr[:, None] * (DC + DR) + DC + _perm(pr)[None, :], mask=okr, other=0.0))
+    r_smem.index(0).store(_prot_rope(prot, rr, _prot_valid(rr, L, SINK, RECENT), DC, DR))
 
 
 @gluon.jit
@@ -199,17 +209,13 @@ def _swap_sink(c_smem, r_smem, prot, sink_hi, SINK: gl.constexpr, BN: gl.constex
     protection buffer (those past the request's ``sink_hi`` tokens by zero); each thread reads
     and writes back the same elements, the other rows unchanged."""
     r = gl.arange(0, BN, layout=gl.SliceLayout(1, LQ))
-    pc = gl.arange(0, CW, layout=gl.SliceLayout(0, LQ))
     for j in gl.static_range(NCH):
         x = c_smem.index(j).load(LQ)
-        p = gl.load(prot + r[:, None] * (DC + DR) + j * CW + _cperm(pc, C_BITS)[None, :],
-                    mask=(r < sink_hi)[:, None], other=0.0)  # fmt: skip
+        p = _prot_rows(prot, r, r < sink_hi, j, CW, DC, DR, C_BITS)
         c_smem.index(j).store(gl.where((r < SINK)[:, None], p, x))
     rr = gl.arange(0, BN, layout=gl.SliceLayout(1, LQR))
-    pr = gl.arange(0, DR, layout=gl.SliceLayout(0, LQR))
     xr = r_smem.index(0).load(LQR)
-    pk = gl.load(prot + rr[:, None] * (DC + DR) + DC + _perm(pr)[None, :], mask=(rr < sink_hi)[:, None], other=0.0)
-    r_smem.index(0).store(gl.where((rr < SINK)[:, None], pk, xr))
+    r_smem.index(0).store(gl.where((rr < SINK)[:, None], _prot_rope(prot, rr, rr < sink_hi, DC, DR), xr))
 
 
 @gluon.jit
@@ -242,10 +248,12 @@ def _codes_lo(cw, CScale, CZero, page, t, low_hi, ps_ccodes, ps_cscale, ps_czero
 
 
 @gluon.jit
-def _codes_hi(cw, CScale, CZero, rw, RScale, RZero, page, t, low_hi, ps_ccodes, ps_cscale, ps_czero, ps_rcodes,
-              ps_rscale, ps_rzero, tok3, g3, w3, tokr, wr, SINK: gl.constexpr, BN: gl.constexpr, WG: gl.constexpr,
-              NG: gl.constexpr, GC: gl.constexpr):  # fmt: skip
-    """Content chunks 2 and 3 and the RoPE rows of tile ``t`` on ``page``, in registers."""
+def _codes(cw, CScale, CZero, rw, RScale, RZero, page, t, low_hi, ps_ccodes, ps_cscale, ps_czero, ps_rcodes,
+           ps_rscale, ps_rzero, tok3, g3, w3, tokr, wr, SINK: gl.constexpr, BN: gl.constexpr, WG: gl.constexpr,
+           NG: gl.constexpr, GC: gl.constexpr):  # fmt: skip
+    """The four content chunks and the RoPE rows of tile ``t`` on ``page``, in registers."""
+    w0, s0, z0, w1, s1, z1 = _codes_lo(cw, CScale, CZero, page, t, low_hi, ps_ccodes, ps_cscale, ps_czero, tok3,
+                                       g3, w3, SINK, BN, WG, NG, GC)  # fmt: skip
     w2, s2, z2, w3_, s3, z3 = _codes_lo(cw, CScale, CZero, page, t, low_hi, ps_ccodes, ps_cscale, ps_czero, tok3,
                                         g3, w3, SINK, BN, WG, NG, GC, 2)  # fmt: skip
     offsr = t * BN + tokr
@@ -254,7 +262,7 @@ def _codes_hi(cw, CScale, CZero, rw, RScale, RZero, page, t, low_hi, ps_ccodes, 
     sr = gl.load(RScale + page * ps_rscale + tokr, mask=okr, other=0.0)
     zr = gl.load(RZero + page * ps_rzero + tokr)
     nzr = (-(zr.to(gl.float32) + 128.0)).to(gl.bfloat16)
-    return w2, s2, z2, w3_, s3, z3, rwords, sr, nzr
+    return w0, s0, z0, w1, s1, z1, w2, s2, z2, w3_, s3, z3, rwords, sr, nzr
 
 
 @gluon.jit
@@ -267,9 +275,11 @@ def _store_chunk(c_smem, i, w, s, nz, BN: gl.constexpr, CW: gl.constexpr, C_BITS
 
 
 @gluon.jit
-def _rebuild_hi(c_smem, r_smem, buf, w2, s2, z2, w3, s3, z3, rwords, sr, nzr, BN: gl.constexpr, CW: gl.constexpr,
-                DR: gl.constexpr, C_BITS: gl.constexpr):  # fmt: skip
-    """Content chunks 2 and 3 and the RoPE rows of a tile into buffer ``buf``."""
+def _rebuild(c_smem, r_smem, buf, w0, s0, z0, w1, s1, z1, w2, s2, z2, w3, s3, z3, rwords, sr, nzr, BN: gl.constexpr,
+             CW: gl.constexpr, DR: gl.constexpr, C_BITS: gl.constexpr):  # fmt: skip
+    """A tile (its codes from :func:`_codes`) reconstructed into buffer ``buf``."""
+    _store_chunk(c_smem, 4 * buf + 0, w0, s0, z0, BN, CW, C_BITS)
+    _store_chunk(c_smem, 4 * buf + 1, w1, s1, z1, BN, CW, C_BITS)
     _store_chunk(c_smem, 4 * buf + 2, w2, s2, z2, BN, CW, C_BITS)
     _store_chunk(c_smem, 4 * buf + 3, w3, s3, z3, BN, CW, C_BITS)
     xr = _dequant_words(rwords, sr[:, None], nzr[:, None], _W_F32, "r")
@@ -338,17 +348,13 @@ def _step(c_smem, r_smem, cur, q_smem, qp_smem, ph_smem, t, t_hi, low_hi, sink_h
     s = _scores(c_smem, r_smem, q_smem, qp_smem, cur, BN, BH, ACC_S)
     # while the tensor cores run the scores: tile t + 1 into the other buffer (free: the P·V that
     # read it was waited for at the end of the previous step)
-    _store_chunk(c_smem, 4 * nxt + 0, w0, s0, z0, BN, CW, C_BITS)
-    _store_chunk(c_smem, 4 * nxt + 1, w1, s1, z1, BN, CW, C_BITS)
-    _rebuild_hi(c_smem, r_smem, nxt, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, BN, CW, DR, C_BITS)
+    _rebuild(c_smem, r_smem, nxt, w0, s0, z0, w1, s1, z1, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, BN, CW, DR, C_BITS)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     offs_s = t * BN + tok_s
     valid = ((offs_s < low_hi) & (offs_s >= SINK)) | (offs_s < sink_hi)  # page rows; the sink (swapped into tile 0)
     m_i, l_i, a0, a1, a2, a3 = _softmax_pv(s, valid, m_i, l_i, a0, a1, a2, a3, qk_scale, c_smem, ph_smem, cur, ACC_O)
     # while they run P·V: tile t + 2's codes (its page was read a step ahead) and the page of t + 3
-    w0, s0, z0, w1, s1, z1 = _codes_lo(cw, CScale, CZero, page, t2, low_hi, ps_ccodes, ps_cscale, ps_czero,
-                                       tok3, g3, w3, SINK, BN, WG, NG, GC)  # fmt: skip
-    w2, s2, z2, w3_, s3, z3, rwd, sr, nzr = _codes_hi(
+    w0, s0, z0, w1, s1, z1, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr = _codes(
         cw, CScale, CZero, rw, RScale, RZero, page, t2, low_hi, ps_ccodes, ps_cscale, ps_czero, ps_rcodes,
         ps_rscale, ps_rzero, tok3, g3, w3, tokr, wr, SINK, BN, WG, NG, GC)  # fmt: skip
     page = gl.load(bt_row + gl.minimum(t + 3, t_hi - 1)).to(gl.int64)
@@ -444,19 +450,13 @@ def _h64_decode_kernel(Q, QPE, O, LSE, BT, LENS, PROT,
     if t_lo < t_hi:
         # prologue: tile t_lo into buffer 0; the codes of t_lo + 1 in registers; the page of t_lo + 2
         page = gl.load(bt_row + t_lo).to(gl.int64)
-        w0, s0, z0, w1, s1, z1 = _codes_lo(cw, CScale, CZero, page, t_lo, low_hi, ps_ccodes, ps_cscale, ps_czero,
-                                           tok3, g3, w3, SINK, BN, WG, NG, GC)  # fmt: skip
-        w2, s2, z2, w3_, s3, z3, rwd, sr, nzr = _codes_hi(
+        w0, s0, z0, w1, s1, z1, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr = _codes(
             cw, CScale, CZero, rw, RScale, RZero, page, t_lo, low_hi, ps_ccodes, ps_cscale, ps_czero, ps_rcodes,
             ps_rscale, ps_rzero, tok3, g3, w3, tokr, wr, SINK, BN, WG, NG, GC)  # fmt: skip
-        _store_chunk(c_smem, 0, w0, s0, z0, BN, CW, C_BITS)
-        _store_chunk(c_smem, 1, w1, s1, z1, BN, CW, C_BITS)
-        _rebuild_hi(c_smem, r_smem, 0, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, BN, CW, DR, C_BITS)
+        _rebuild(c_smem, r_smem, 0, w0, s0, z0, w1, s1, z1, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr, BN, CW, DR, C_BITS)
         t1 = gl.minimum(t_lo + 1, t_hi - 1)
         page = gl.load(bt_row + t1).to(gl.int64)
-        w0, s0, z0, w1, s1, z1 = _codes_lo(cw, CScale, CZero, page, t1, low_hi, ps_ccodes, ps_cscale, ps_czero,
-                                           tok3, g3, w3, SINK, BN, WG, NG, GC)  # fmt: skip
-        w2, s2, z2, w3_, s3, z3, rwd, sr, nzr = _codes_hi(
+        w0, s0, z0, w1, s1, z1, w2, s2, z2, w3_, s3, z3, rwd, sr, nzr = _codes(
             cw, CScale, CZero, rw, RScale, RZero, page, t1, low_hi, ps_ccodes, ps_cscale, ps_czero, ps_rcodes,
             ps_rscale, ps_rzero, tok3, g3, w3, tokr, wr, SINK, BN, WG, NG, GC)  # fmt: skip
         page = gl.load(bt_row + gl.minimum(t_lo + 2, t_hi - 1)).to(gl.int64)
@@ -478,7 +478,7 @@ def _h64_decode_kernel(Q, QPE, O, LSE, BT, LENS, PROT,
         prot = PROT + b * stride_pb
         for r0 in range(SINK, SINK + RECENT, BN):
             _prefetch_rows(prot, r0 + BN, BN, SINK + RECENT - 1, (DC + DR) * 2)  # the next tile's rows
-            _prot_tile(c_smem, r_smem, 0, prot, r0, L, SINK, RECENT, BN, CW, DC, DR, NCH, LQ, LQR, C_BITS)
+            _prot_tile(c_smem, r_smem, prot, r0, L, SINK, RECENT, BN, CW, DC, DR, NCH, LQ, LQR, C_BITS)
             fence_async_shared()
             _barrier()
             s = _scores(c_smem, r_smem, q_smem, qp_smem, 0, BN, BH, ACC_S)

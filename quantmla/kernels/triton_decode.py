@@ -481,10 +481,12 @@ def uses_gluon(layer, H: int, cfg: dict, device, per: int) -> bool:
 
 def plan(layer, H: int, cfg: dict, device, max_len: int) -> tuple[bool, int, int]:
     """(Gluon kernel?, splits, tiles per split) for a decode with tiles ``cfg``: the Gluon kernel
-    where :func:`uses_gluon` takes the shape with its own work count, else the Triton kernel."""
-    splits, per = split_work(layer, max_len, cfg["block_n"], int(cfg["num_splits"]), sink_in_tile0=True)
-    if uses_gluon(layer, H, cfg, device, per):
-        return True, splits, per
+    where :func:`uses_gluon` takes the shape with its own work count, else the Triton kernel (whose
+    configs, without ``gluon``, count their work once: this runs for every decode call)."""
+    if cfg.get("gluon"):
+        splits, per = split_work(layer, max_len, cfg["block_n"], int(cfg["num_splits"]), sink_in_tile0=True)
+        if uses_gluon(layer, H, cfg, device, per):
+            return True, splits, per
     return False, *split_work(layer, max_len, cfg["block_n"], int(cfg["num_splits"]))
 
 
