@@ -2,9 +2,10 @@
 
     python bench/gluon_sass.py            # C4R4 and C2R4
     python bench/gluon_sass.py --bits 4 --keep /tmp/g4.sass
+    python bench/gluon_sass.py --mma16    # the 16-head register-fed prototype (bench/prototypes)
 
 Prints, per content width: registers, stack (spill) bytes, shared memory, and for each loop of
-the kernel its instruction count, its HGMMA count, and its ``BSSY`` count (divergent regions:
+the kernel its instruction count, its HGMMA (wgmma) and HMMA (mma.sync) counts, and its ``BSSY`` count (divergent regions:
 bench/NOTES.md, v16, found the page loop 4-6 % faster when ptxas compiles its cross-warp
 reductions predicated, with none). Uses the installed Triton's compiler and ``cuobjdump``; the
 H200 runs Triton 3.6, whose ``ptxas`` is the one the notes quote (other versions schedule
@@ -34,12 +35,18 @@ POINTERS = dict(Q="bf16", QPE="bf16", O="fp32", LSE="fp32", BT="i32", LENS="i64"
 INSTR = re.compile(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)([^;]*);")
 
 
-def compile_sass(bits: int) -> tuple[str, str, int]:
-    """(SASS text, resource line, shared bytes) of the kernel for ``bits``-bit content codes."""
+def compile_sass(bits: int, mma16: bool = False) -> tuple[str, str, int]:
+    """(SASS text, resource line, shared bytes) of the kernel for ``bits``-bit content codes (or
+    of the 16-head prototype ``bench/prototypes/mma_decode16.py``, C4R4 only)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    k = gluon_decode._h64_decode_kernel
-    consts = dict(SINK=4, RECENT=128, SPLIT=True, C_BITS=bits)
+    if mma16:
+        sys.path.insert(0, str(Path(__file__).resolve().parent / "prototypes"))
+        import mma_decode16
+
+        k, consts, warps = mma_decode16._h16_decode_kernel, dict(SINK=4, RECENT=128, SPLIT=True, ABL=0), 4
+    else:
+        k, consts, warps = gluon_decode._h64_decode_kernel, dict(SINK=4, RECENT=128, SPLIT=True, C_BITS=bits), 8
     sig, attrs = {}, {}
     for i, n in enumerate(k.arg_names):
         if n in consts:
@@ -51,7 +58,7 @@ def compile_sass(bits: int) -> tuple[str, str, int]:
         if n not in consts and n not in ("qk_scale", "tiles_per_split", "H"):
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = GluonASTSource(k, sig, constexprs=consts, attrs=attrs)
-    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
+    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(c.asm["cubin"])
@@ -63,7 +70,7 @@ def compile_sass(bits: int) -> tuple[str, str, int]:
 
 
 def loops(sass: str) -> list[dict]:
-    """Each backward branch's body: instruction, HGMMA and BSSY counts."""
+    """Each backward branch's body: instruction, HGMMA, HMMA and BSSY counts."""
     ins = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in INSTR.finditer(sass)]
     out = []
     for addr, op, rest in ins:
@@ -71,7 +78,7 @@ def loops(sass: str) -> list[dict]:
         if target and int(target.group(1), 16) < addr:
             body = [o for a, o, _ in ins if int(target.group(1), 16) <= a <= addr]
             out.append(dict(instructions=len(body), hgmma=sum(o.startswith("HGMMA") for o in body),
-                            bssy=sum(o == "BSSY" for o in body)))  # fmt: skip
+                            hmma=sum(o.startswith("HMMA") for o in body), bssy=sum(o == "BSSY" for o in body)))  # fmt: skip
     return out
 
 
@@ -79,15 +86,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bits", type=int, choices=(2, 4), nargs="*", default=[4, 2])
     ap.add_argument("--keep", help="also write the SASS here (one width only)")
+    ap.add_argument("--mma16", action="store_true", help="the 16-head register-fed prototype instead (C4R4)")
     args = ap.parse_args()
     print(f"triton {triton.__version__}, sm_90")
-    for bits in args.bits:
-        sass, res, shared = compile_sass(bits)
+    for bits in [4] if args.mma16 else args.bits:
+        sass, res, shared = compile_sass(bits, args.mma16)
         if args.keep:
             Path(args.keep).write_text(sass)
-        print(f"C{bits}R4: {res} shared={shared} B")
+        print(f"{'mma16 ' if args.mma16 else ''}C{bits}R4: {res} shared={shared} B")
         for i, loop in enumerate(loops(sass)):
-            print(f"  loop {i}: {loop['instructions']} instructions, {loop['hgmma']} HGMMA, {loop['bssy']} BSSY")
+            print(f"  loop {i}: {loop['instructions']} instructions, {loop['hgmma']} HGMMA, {loop['hmma']} HMMA, "
+                  f"{loop['bssy']} BSSY")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """bench/gluon_sass.py compiles the Gluon decode kernel for sm_90 with the installed Triton (no GPU
 needed) and finds its two tile loops: the page loop and the recent ring's, each issuing the
-52 HGMMA of one 64-token tile (scores: 4 chunks x 8 + RoPE 4; P·V: 4 chunks x 4)."""
+52 HGMMA of one 64-token tile (scores: 4 chunks x 8 + RoPE 4; P·V: 4 chunks x 4); and the same for
+the 16-head register-fed prototype, whose page and protected-row loops each issue a tile's 136
+mma.sync per warp (scores: 8 n-blocks x 9 k-blocks; P·V: 4 k-blocks x 16 n-blocks)."""
 
 import os
 import re
@@ -26,3 +28,17 @@ def test_gluon_kernel_compiles_for_hopper_with_one_tile_per_loop_iteration(bits)
     assert head and int(head.group(3)) <= 227 * 1024, r.stdout  # fits one SM's shared memory
     hgmma = [int(n) for n in re.findall(r"loop \d+: \d+ instructions, (\d+) HGMMA", r.stdout)]
     assert hgmma == [52, 52], r.stdout
+
+
+def test_register_fed_prototype_compiles_for_hopper_with_one_tile_per_loop_iteration():
+    pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run(
+        [sys.executable, "bench/gluon_sass.py", "--mma16"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    head = re.search(r"mma16 C4R4: REG:(\d+) STACK:(\d+) shared=(\d+) B", r.stdout)
+    assert head and int(head.group(3)) <= 227 * 1024, r.stdout
+    loops = re.findall(r"loop \d+: \d+ instructions, (\d+) HGMMA, (\d+) HMMA", r.stdout)
+    assert [(int(a), int(b)) for a, b in loops] == [(0, 136), (0, 136)], r.stdout
