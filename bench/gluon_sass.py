@@ -44,7 +44,11 @@ def compile_sass(bits: int, mma16: bool = False) -> tuple[str, str, int]:
         sys.path.insert(0, str(Path(__file__).resolve().parent / "prototypes"))
         import mma_decode16
 
-        k, consts, warps = mma_decode16._h16_decode_kernel, dict(SINK=4, RECENT=128, SPLIT=True, ABL=0), 4
+        k, consts, warps = (
+            mma_decode16._h16_decode_kernel,
+            dict(SINK=4, RECENT=128, SPLIT=True, ABL=0),
+            mma_decode16.WARPS,
+        )
     else:
         k, consts, warps = gluon_decode._h64_decode_kernel, dict(SINK=4, RECENT=128, SPLIT=True, C_BITS=bits), 8
     sig, attrs = {}, {}

@@ -21,8 +21,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench"), str(ROOT / "bench" / "prototypes")]
 
+import importlib  # noqa: E402
+import os  # noqa: E402
+
 import kernels_helpers as kh  # noqa: E402
-import mma_decode16  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 from decode import DEV, TAU, Shape, run_meta, time_calls, write_record  # noqa: E402
@@ -30,6 +32,11 @@ from decode import DEV, TAU, Shape, run_meta, time_calls, write_record  # noqa: 
 from quantmla.kernels import reference as ref  # noqa: E402
 from quantmla.kernels import triton_decode  # noqa: E402
 from quantmla.kernels.layout import PageFormat  # noqa: E402
+
+# another variant of the prototype: MMA_MODULE=path/to/file.py (its folder goes on sys.path)
+_variant = Path(os.environ.get("MMA_MODULE", str(ROOT / "bench" / "prototypes" / "mma_decode16.py")))
+sys.path.insert(0, str(_variant.parent))
+mma_decode16 = importlib.import_module(_variant.stem)
 
 
 def run(layer, bt, lens, q, qp, tau, nsplit, max_len=None, out=None, maxnreg=None, ablate=0):
@@ -79,7 +86,7 @@ def bench(shapes, ablate_shape) -> list[dict]:
         s0 = triton_decode.default_config(B, H, L, layer.fmt, layer.pool.device, {})["num_splits"]
         out = (torch.empty(B, H, 512, device=DEV), torch.empty(B, H, device=DEV))
         tries = {}
-        for mr in (None, 168):
+        for mr in (None, 128):
             for ns in sorted({s0, s0 * 3 // 2, s0 * 2}):
                 calls = [functools.partial(run, layer, t, sh.lengths, sh.q, sh.qp, TAU, ns, L, out, mr) for t in tables]
                 tries[f"splits={ns},maxnreg={mr}"] = time_calls(calls)
@@ -87,17 +94,30 @@ def bench(shapes, ablate_shape) -> list[dict]:
         row.update(c4r4_mma_ms=tries[best], c4r4_mma_config=best, c4r4_mma_tries=tries)
         if (H, B, L) == ablate_shape:
             ns = int(best.split(",")[0].split("=")[1])
+            mr = None if best.endswith("None") else int(best.split("=")[-1])
             for ab in (1, 2, 3):
                 calls = [
-                    functools.partial(run, layer, t, sh.lengths, sh.q, sh.qp, TAU, ns, L, out, None, ab) for t in tables
+                    functools.partial(run, layer, t, sh.lengths, sh.q, sh.qp, TAU, ns, L, out, mr, ab) for t in tables
                 ]
                 row[f"c4r4_mma_ablate{ab}_ms"] = time_calls(calls)
+            # every tile on one page, which then stays in L1: the time without DRAM latency or traffic
+            one = [torch.zeros_like(t) for t in tables]
+            calls = [functools.partial(run, layer, t, sh.lengths, sh.q, sh.qp, TAU, ns, L, out, mr) for t in one]
+            row["c4r4_mma_one_page_ms"] = time_calls(calls)
+            cfg = dict(max_len=L)
+            calls = [
+                functools.partial(triton_decode.decode, layer, t, sh.lengths, sh.q, sh.qp, TAU, cfg, out) for t in one
+            ]
+            row["c4r4_triton_one_page_ms"] = time_calls(calls)
         c16 = row["c16r16_ms"]
         print(f"H={H} B={B} L={L}: c16r16 {c16:.4f} ms, c4r4 Triton {row['c4r4_triton_ms']:.4f} "
               f"({c16 / row['c4r4_triton_ms']:.2f}x), c4r4 register-fed {row['c4r4_mma_ms']:.4f} "
               f"({c16 / row['c4r4_mma_ms']:.2f}x, {best})", flush=True)  # fmt: skip
         if (H, B, L) == ablate_shape:
-            print("  ablations (ms): " + ", ".join(f"{k[9:]}={v:.4f}" for k, v in row.items() if "ablate" in k))
+            print(
+                "  ablations (ms): "
+                + ", ".join(f"{k[5:]}={v:.4f}" for k, v in row.items() if "ablate" in k or "one_page" in k)
+            )
         rows.append(row)
     return rows
 
@@ -105,15 +125,21 @@ def bench(shapes, ablate_shape) -> list[dict]:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--quick", action="store_true", help="time H=16, B=32, L=32K only")
     args = ap.parse_args(argv)
     stamp = datetime.datetime.now(datetime.UTC)
-    meta = run_meta(torch.cuda.get_device_properties(0), stamp, "python bench/prototypes/mma_check.py")
+    meta = run_meta(
+        torch.cuda.get_device_properties(0),
+        stamp,
+        "python bench/prototypes/mma_check.py" + (" --quick" if args.quick else ""),
+    )
     print(meta, flush=True)
     meta["check"] = check()
     if not all(r["ok"] for r in meta["check"]):
         write_record(meta, "mma16", stamp, args.out)
         raise SystemExit("the prototype misses the reference")
-    meta["rows"] = bench([(16, 32, 8192), (16, 32, 32768), (16, 1, 131072), (16, 128, 32768)], (16, 32, 32768))
+    shapes = [(16, 32, 32768)] if args.quick else [(16, 32, 8192), (16, 32, 32768), (16, 1, 131072), (16, 128, 32768)]
+    meta["rows"] = bench(shapes, (16, 32, 32768))
     write_record(meta, "mma16", stamp, args.out)
 
 

@@ -50,10 +50,12 @@ from quantmla.kernels.gluon_decode import _prot_valid
 
 LOG2E = 1.4426950408889634
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+WARPS = 8  # warps per program: warp w owns content group w
 
 _MMA = gl.constexpr(
     "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};"
 )
+_MMA8 = gl.constexpr("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {$0,$1,$2,$3}, {$4,$5}, {$6}, {$7,$8,$9,$10};")
 _PACK = gl.constexpr("cvt.rn.bf16x2.f32 $0, $2, $1;")  # (lo, hi) float32 -> bf16x2
 _SHFL = gl.constexpr("shfl.sync.bfly.b32 $0, $1, $2, 0x1f, 0xffffffff;")
 
@@ -95,6 +97,15 @@ def _mma(a, b0, b1, c):
     b0/b1: 2, c: 4 float32), broadcast over the register axes."""
     return gl.inline_asm_elementwise(
         _MMA, "=f,=f,=f,=f,r,r,r,r,r,r,0,1,2,3", [a[0], a[1], a[2], a[3], b0, b1, c[0], c[1], c[2], c[3]],
+        dtype=(gl.float32,) * 4, is_pure=True, pack=1,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _mma8(a, b, c):
+    """c + a·b with one m16n8k8 BF16 product per element index (a: 2 registers, b: 1)."""
+    return gl.inline_asm_elementwise(
+        _MMA8, "=f,=f,=f,=f,r,r,r,0,1,2,3", [a[0], a[1], b, c[0], c[1], c[2], c[3]],
         dtype=(gl.float32,) * 4, is_pure=True, pack=1,
     )  # fmt: skip
 
@@ -156,9 +167,9 @@ def _nz(z):
 
 @gluon.jit
 def _idx3(N: gl.constexpr, L3: gl.constexpr):
-    """Index tensors of a (regs, warp, lane) layout."""
+    """Index tensors of a (regs, warp, lane) layout of 8 warps."""
     i = gl.arange(0, N, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))[:, None, None]
-    w = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))[None, :, None]
+    w = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))[None, :, None]
     lane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
     return i, w, lane
 
@@ -187,75 +198,58 @@ def _q_regs(qb, stride_qh, H, g, c, G, kb: gl.constexpr):
 
 @gluon.jit
 def _qr_regs(qb, stride_qh, H, g, c, w):
-    """A fragment of RoPE k-block ``w`` (channels 16w + 4c + (0, 2) and (1, 3) in a thread's halves)."""
+    """A fragment of the m16n8k8 RoPE product of warp ``w``: channels 8w + 2c, 8w + 2c + 1."""
     out = ()
-    for ai in gl.static_range(4):
-        head = g + 8 * (ai % 2)
-        ptr = (qb + head * stride_qh + 16 * w + 4 * c + ai // 2).to(gl.pointer_type(gl.int16))
-        lo = gl.load(ptr, mask=head < H, other=0).to(gl.int32)
-        hi = gl.load(ptr + 2, mask=head < H, other=0).to(gl.int32)
-        out = out + (_pair(lo, hi),)
+    for ai in gl.static_range(2):
+        head = g + 8 * ai
+        out = out + (gl.load((qb + head * stride_qh + 8 * w + 2 * c).to(gl.pointer_type(gl.int32)), mask=head < H,
+                             other=0),)  # fmt: skip
     return out
 
 
 @gluon.jit
 def _score_tile(ccodes, cscale, czero, rcodes, rscale, rzero, tok, ok, w, c, qa, qr, L3: gl.constexpr):
-    """Partial scores of this warp's channels for 32 tokens of a page tile (token ``tok`` in the
-    page, per (jp, warp, lane)); tokens not ``ok`` get zero scales (and are masked later)."""
-    acc = (gl.zeros([4, 4, 32], gl.float32, L3),) * 4
-    sc = gl.load((cscale + tok * 8 + 2 * w).to(gl.pointer_type(gl.int32)), mask=ok, other=0)
-    zz = gl.load((czero + tok * 8 + 2 * w).to(gl.pointer_type(gl.int16)), mask=ok, other=0).to(gl.int32)
-    for gi in gl.static_range(2):
-        x = gl.load((ccodes + (2 * w + gi) * 2048 + tok * 32 + 8 * c).to(gl.pointer_type(gl.int64)))
-        if gi == 0:
-            s = sc & 0xFFFF
-            z = zz & 0xFF
-        else:
-            s = (sc >> 16) & 0xFFFF
-            z = (zz >> 8) & 0xFF
-        s2 = s | (s << 16)
-        n2 = _pair(_nz(z), _nz(z))
-        for half in gl.static_range(2):
-            word = (x >> (32 * half)).to(gl.int32)
-            r = gl.inline_asm_elementwise(_SCORE_WORD, "=r,=r,=r,=r,r,r,r", [word, s2, n2], dtype=(gl.int32,) * 4,
-                                          is_pure=True, pack=1)  # fmt: skip
-            acc = _mma(qa[gi * 4 + 2 * half], r[0], r[1], acc)
-            acc = _mma(qa[gi * 4 + 2 * half + 1], r[2], r[3], acc)
-    # RoPE channels 16w + 4c .. +3 of the token, float32 scale as the reference multiplies
-    h = gl.load((rcodes + tok * 32 + 8 * w + 2 * c).to(gl.pointer_type(gl.int16))).to(gl.int32)
+    """Partial scores of warp ``w``'s channels (content group w, RoPE channels 8w..8w+7) for tokens
+    ``tok`` of a page (per (regs, warp, lane)); tokens not ``ok`` get zero scales."""
+    acc = (gl.zeros(tok.shape, gl.float32, L3),) * 4
+    s = gl.load((cscale + tok * 8 + w).to(gl.pointer_type(gl.int16)), mask=ok, other=0).to(gl.int32) & 0xFFFF
+    z = gl.load(czero + tok * 8 + w).to(gl.int32)
+    s2 = s | (s << 16)
+    n2 = _pair(_nz(z), _nz(z))
+    x = gl.load((ccodes + w * 2048 + tok * 32 + 8 * c).to(gl.pointer_type(gl.int64)))
+    for half in gl.static_range(2):
+        word = (x >> (32 * half)).to(gl.int32)
+        r = gl.inline_asm_elementwise(_SCORE_WORD, "=r,=r,=r,=r,r,r,r", [word, s2, n2], dtype=(gl.int32,) * 4,
+                                      is_pure=True, pack=1)  # fmt: skip
+        acc = _mma(qa[2 * half], r[0], r[1], acc)
+        acc = _mma(qa[2 * half + 1], r[2], r[3], acc)
+    # RoPE channels 8w + 2c, +1 of the token, float32 scale as the reference multiplies
+    h = gl.load(rcodes + tok * 32 + 4 * w + c).to(gl.int32)
     sr = gl.load(rscale + tok, mask=ok, other=0.0)
     zr = gl.load(rzero + tok, mask=ok, other=0).to(gl.float32)
-    x = ()
-    for k in gl.static_range(4):
-        v = (((h >> (4 * k)) & 15).to(gl.float32) - zr) * sr
-        x = x + (v.to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32),)
-    acc = _mma(qr, _pair(x[0], x[2]), _pair(x[1], x[3]), acc)
-    return acc
+    lo = ((((h & 15).to(gl.float32) - zr) * sr).to(gl.bfloat16).to(gl.int16, bitcast=True)).to(gl.int32)
+    hi = (((((h >> 4) & 15).to(gl.float32) - zr) * sr).to(gl.bfloat16).to(gl.int16, bitcast=True)).to(gl.int32)
+    return _mma8(qr, _pair(lo, hi), acc)
 
 
 @gluon.jit
 def _score_prot(prow, ok, w, c, qa, qr, L3: gl.constexpr):
-    """Partial scores for 32 protected BF16 rows at ``prow`` (pointer per (jp, warp, lane); rows
-    not ``ok`` read as zeros)."""
-    acc = (gl.zeros([4, 4, 32], gl.float32, L3),) * 4
-    for gi in gl.static_range(2):
-        base = (prow + (2 * w + gi) * 64 + 16 * c).to(gl.pointer_type(gl.int64))
-        for kb in gl.static_range(4):  # channels 4kb .. 4kb+3 of the thread's 16: registers (0,2), (1,3)
-            v = gl.load(base + kb, mask=ok, other=0)
-            lo = v.to(gl.int32)
-            hi = (v >> 32).to(gl.int32)
-            acc = _mma(qa[gi * 4 + kb], _prmt(lo, hi, 0x5410), _prmt(lo, hi, 0x7632), acc)
-    v = gl.load((prow + 512 + 16 * w + 4 * c).to(gl.pointer_type(gl.int64)), mask=ok, other=0)
-    lo = v.to(gl.int32)
-    hi = (v >> 32).to(gl.int32)
-    acc = _mma(qr, _prmt(lo, hi, 0x5410), _prmt(lo, hi, 0x7632), acc)
-    return acc
+    """Partial scores for protected BF16 rows at ``prow`` (rows not ``ok`` read as zeros)."""
+    acc = (gl.zeros(prow.shape, gl.float32, L3),) * 4
+    base = (prow + w * 64 + 16 * c).to(gl.pointer_type(gl.int64))
+    for kb in gl.static_range(4):  # channels 4kb .. 4kb+3 of the thread's 16: registers (0,2), (1,3)
+        v = gl.load(base + kb, mask=ok, other=0)
+        lo = v.to(gl.int32)
+        hi = (v >> 32).to(gl.int32)
+        acc = _mma(qa[kb], _prmt(lo, hi, 0x5410), _prmt(lo, hi, 0x7632), acc)
+    b = gl.load((prow + 512 + 8 * w + 2 * c).to(gl.pointer_type(gl.int32)), mask=ok, other=0)
+    return _mma8(qr, b, acc)
 
 
 @gluon.jit
-def _pv_page(acc, pa, ccodes, cscale, czero, t0, low_hi, gi3, w3, g3, c3, SINK: gl.constexpr):
-    """P·V for a page tile: ``acc`` (8 n-blocks x 4 registers of (2 groups, warp, lane)) plus the
-    products with P (``pa``: A fragments of the four 16-token k-blocks)."""
+def _pv_page(acc, pa, ccodes, cscale, czero, t0, low_hi, w, g, c, SINK: gl.constexpr):
+    """P·V of a page tile for warp ``w``'s group: ``acc`` (8 n-blocks x 4 registers, (warp, lane))
+    plus the products with P (``pa``: A fragments of the four 16-token k-blocks)."""
     for kb in gl.static_range(4):
         bs = ()
         for e in gl.static_range(2):
@@ -263,15 +257,11 @@ def _pv_page(acc, pa, ccodes, cscale, czero, t0, low_hi, gi3, w3, g3, c3, SINK: 
             ss = ()
             ns = ()
             for d in gl.static_range(2):
-                tk = 16 * kb + 8 * e + 2 * c3 + d
-                absl = t0 + tk
-                ok = (absl >= SINK) & (absl < low_hi)
-                G = 2 * w3 + gi3
-                ws = ws + (gl.load((ccodes + G * 2048 + tk * 32 + 4 * g3).to(gl.pointer_type(gl.int32))),)
-                sc = gl.load((cscale + tk * 8 + 2 * w3).to(gl.pointer_type(gl.int32)), mask=ok, other=0)
-                zz = gl.load((czero + tk * 8 + 2 * w3).to(gl.pointer_type(gl.int16))).to(gl.int32)
-                ss = ss + (gl.where(gi3 == 0, sc, sc >> 16) & 0xFFFF,)
-                ns = ns + (_nz(gl.where(gi3 == 0, zz, zz >> 8) & 0xFF),)
+                tk = 16 * kb + 8 * e + 2 * c + d
+                ok = (t0 + tk >= SINK) & (t0 + tk < low_hi)
+                ws = ws + (gl.load((ccodes + w * 2048 + tk * 32 + 4 * g).to(gl.pointer_type(gl.int32))),)
+                ss = ss + (gl.load((cscale + tk * 8 + w).to(gl.pointer_type(gl.int16)), mask=ok, other=0).to(gl.int32),)
+                ns = ns + (_nz(gl.load(czero + tk * 8 + w).to(gl.int32)),)
             bs = bs + (gl.inline_asm_elementwise(_PV_WORDS, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r",
                                                  [ws[0], ws[1], _pair(ss[0], ss[1]), _pair(ns[0], ns[1])],
                                                  dtype=(gl.int32,) * 8, is_pure=True, pack=1),)  # fmt: skip
@@ -283,16 +273,16 @@ def _pv_page(acc, pa, ccodes, cscale, czero, t0, low_hi, gi3, w3, g3, c3, SINK: 
 
 
 @gluon.jit
-def _pv_prot(acc, pa, prot, r0, L, gi3, w3, g3, c3, SINK: gl.constexpr, RECENT: gl.constexpr):
+def _pv_prot(acc, pa, prot, r0, L, w, g, c, SINK: gl.constexpr, RECENT: gl.constexpr):
     """P·V for the 64 protected BF16 rows from ``r0`` of the protection buffer at ``prot``."""
     for kb in gl.static_range(4):
         bs = ()
         for e in gl.static_range(2):
             v = ()
             for d in gl.static_range(2):
-                r = r0 + 16 * kb + 8 * e + 2 * c3 + d
+                r = r0 + 16 * kb + 8 * e + 2 * c + d
                 ok = _prot_valid(r, L, SINK, RECENT)
-                ptr = (prot + r * 576 + 64 * (2 * w3 + gi3) + 8 * g3).to(gl.pointer_type(gl.int64))
+                ptr = (prot + r * 576 + 64 * w + 8 * g).to(gl.pointer_type(gl.int64))
                 x0 = gl.load(ptr, mask=ok, other=0)
                 x1 = gl.load(ptr + 1, mask=ok, other=0)
                 v = v + ((x0.to(gl.int32), (x0 >> 32).to(gl.int32), x1.to(gl.int32), (x1 >> 32).to(gl.int32)),)
@@ -312,82 +302,76 @@ def _pv_prot(acc, pa, prot, r0, L, gi3, w3, g3, c3, SINK: gl.constexpr, RECENT: 
 
 @gluon.jit
 def _pick(x, i3, i: gl.constexpr):
-    """Register ``i`` along axis 0 of an int32 (regs, warp, lane) tensor, as (1, warp, lane)."""
-    return gl.sum(gl.where(i3 == i, x, 0), axis=0)[None, :, :]
+    """Register ``i`` along axis 0 of an int32 (regs, warp, lane) tensor, as (warp, lane)."""
+    return gl.sum(gl.where(i3 == i, x, 0), axis=0)
 
 
 @gluon.jit
 def _to_all(x, L3T: gl.constexpr):
-    """A per-thread value (warp, lane) as (source warp, 4 destination copies, lane) in ``L3T``."""
+    """A per-thread value (warp, lane) as (source warp, 8 destination copies, lane) in ``L3T``."""
     y = gl.convert_layout(x, gl.SliceLayout(1, L3T), assert_trivial=True)
-    return y[:, None, :] + gl.zeros([4, 4, 32], x.dtype, L3T)
+    return y[:, None, :] + gl.zeros([8, 8, 32], x.dtype, L3T)
 
 
 @gluon.jit
 def _exchange(acc_s, ok, m0, m1, l0, l1, qk_scale, sbuf, mbuf, pbuf, L3: gl.constexpr, L3T: gl.constexpr):
-    """Sum the four warps' partial scores for this warp's 16 tokens, online softmax (maxima shared
-    across warps), and share P: returns the A fragments of the four k-blocks, the row rescales
-    and the new row state. ``ok[jj][d]``: token 16w + 8jj + 2c + d is attended to."""
+    """Sum the eight warps' partial scores of n-block w (tokens 8w + 2c + d) in warp w, online
+    softmax (maxima shared across warps), and share P: returns the A fragments of the four
+    16-token k-blocks, the row rescales and the new row state. ``ok[d]``: token 8w + 2c + d is
+    attended to. ``acc_s``: the four C registers of the partial scores, (n-block, warp, lane)."""
     LW: gl.constexpr = gl.SliceLayout(0, L3)
+    # one buffer per stored tensor: the compiler puts a barrier between two stores into one buffer
     for creg in gl.static_range(4):
-        for jj in gl.static_range(2):
-            sbuf.index(2 * creg + jj).store(acc_s[jj][creg])
+        sbuf[creg].store(acc_s[creg])
     _barrier()
     x = ()
     for creg in gl.static_range(4):
-        for jj in gl.static_range(2):
-            v = gl.sum(sbuf.index(2 * creg + jj).load(L3T), axis=1)  # (this warp's n-block, lane)
-            v = gl.convert_layout(v, LW, assert_trivial=True)
-            x = x + (gl.where(ok[jj * 2 + creg % 2], v * qk_scale, float("-inf")),)
-    # x[creg * 2 + jj]; rows g (creg 0, 1) and g + 8 (creg 2, 3)
-    mt0 = _quad(gl.maximum(gl.maximum(x[0], x[1]), gl.maximum(x[2], x[3])), True)
-    mt1 = _quad(gl.maximum(gl.maximum(x[4], x[5]), gl.maximum(x[6], x[7])), True)
-    mbuf.index(0).store(_to_all(mt0, L3T))
-    mbuf.index(1).store(_to_all(mt1, L3T))
+        v = gl.sum(sbuf[creg].load(L3T), axis=1)  # (this warp's n-block, lane)
+        v = gl.convert_layout(v, LW, assert_trivial=True)
+        x = x + (gl.where(ok[creg % 2], v * qk_scale, float("-inf")),)
+    # x[creg]: rows g (creg 0, 1) and g + 8 (creg 2, 3), tokens 8w + 2c + creg % 2
+    mbuf[0].store(_to_all(_quad(gl.maximum(x[0], x[1]), True), L3T))
+    mbuf[1].store(_to_all(_quad(gl.maximum(x[2], x[3]), True), L3T))
     _barrier()
-    mt0 = gl.max(mbuf.index(0).load(L3), axis=0)
-    mt1 = gl.max(mbuf.index(1).load(L3), axis=0)
+    mt0 = gl.max(mbuf[0].load(L3), axis=0)
+    mt1 = gl.max(mbuf[1].load(L3), axis=0)
     n0 = gl.maximum(m0, mt0)
     n1 = gl.maximum(m1, mt1)
     u0 = gl.where(n0 == float("-inf"), 0.0, n0)
     u1 = gl.where(n1 == float("-inf"), 0.0, n1)
     alpha0 = gl.exp2(m0 - u0)
     alpha1 = gl.exp2(m1 - u1)
-    p = ()
-    for i in gl.static_range(8):
-        if i < 4:
-            p = p + (gl.exp2(x[i] - u0),)
-        else:
-            p = p + (gl.exp2(x[i] - u1),)
-    l0 = l0 * alpha0 + _quad(p[0] + p[1] + p[2] + p[3], False)
-    l1 = l1 * alpha1 + _quad(p[4] + p[5] + p[6] + p[7], False)
-    # A fragment of k-block w: (row g, k 2c..) = jj 0 of creg 0/1; (row g+8) creg 2/3; k + 8: jj 1
-    a = (_pack(p[0], p[2]), _pack(p[4], p[6]), _pack(p[1], p[3]), _pack(p[5], p[7]))
-    for ai in gl.static_range(4):
-        pbuf.index(ai).store(_to_all(a[ai], L3T))
+    p0 = gl.exp2(x[0] - u0)
+    p1 = gl.exp2(x[1] - u0)
+    p2 = gl.exp2(x[2] - u1)
+    p3 = gl.exp2(x[3] - u1)
+    l0 = l0 * alpha0 + _quad(p0 + p1, False)
+    l1 = l1 * alpha1 + _quad(p2 + p3, False)
+    # this warp's n-block is half (w % 2) of k-block w // 2: rows g and g + 8
+    pbuf[0].store(_to_all(_pack(p0, p1), L3T))
+    pbuf[1].store(_to_all(_pack(p2, p3), L3T))
     _barrier()
-    kb3 = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))[:, None, None]
-    f = ()
-    for ai in gl.static_range(4):
-        f = f + (pbuf.index(ai).load(L3),)  # (k-block, warp, lane)
+    i3 = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))[:, None, None]
+    f0 = pbuf[0].load(L3)  # (source warp, warp, lane)
+    f1 = pbuf[1].load(L3)
     pa = ()
     for kb in gl.static_range(4):
-        pa = pa + ((_pick(f[0], kb3, kb), _pick(f[1], kb3, kb), _pick(f[2], kb3, kb), _pick(f[3], kb3, kb)),)
+        pa = pa + ((_pick(f0, i3, 2 * kb), _pick(f1, i3, 2 * kb), _pick(f0, i3, 2 * kb + 1),
+                    _pick(f1, i3, 2 * kb + 1)),)  # fmt: skip
     return pa, alpha0, alpha1, n0, n1, l0, l1
 
 
 @gluon.jit
 def _own_ok(base, L, low_hi, w, c, PROT: gl.constexpr, SINK: gl.constexpr, RECENT: gl.constexpr):
-    """Whether each of a warp's 16 tokens (16w + 8jj + 2c + d, in (jj, d) order) is attended to:
-    page tokens ``base + i`` with SINK <= token < low_hi, or protected rows ``base + i``."""
+    """Whether each of warp w's tokens 8w + 2c + d (d = 0, 1) is attended to: page tokens
+    ``base + i`` with SINK <= token < low_hi, or protected rows ``base + i``."""
     ok = ()
-    for jj in gl.static_range(2):
-        for d in gl.static_range(2):
-            i = base + 16 * w + 8 * jj + 2 * c + d
-            if PROT:
-                ok = ok + (_prot_valid(i, L, SINK, RECENT),)
-            else:
-                ok = ok + ((i >= SINK) & (i < low_hi),)
+    for d in gl.static_range(2):
+        i = base + 8 * w + 2 * c + d
+        if PROT:
+            ok = ok + (_prot_valid(i, L, SINK, RECENT),)
+        else:
+            ok = ok + ((i >= SINK) & (i < low_hi),)
     return ok
 
 
@@ -396,8 +380,7 @@ def _rescale(acc, alpha0, alpha1):
     out = ()
     for n in gl.static_range(8):
         a = acc[n]
-        out = out + ((a[0] * alpha0[None, :, :], a[1] * alpha0[None, :, :], a[2] * alpha1[None, :, :],
-                      a[3] * alpha1[None, :, :]),)  # fmt: skip
+        out = out + ((a[0] * alpha0, a[1] * alpha0, a[2] * alpha1, a[3] * alpha1),)
     return out
 
 
@@ -409,52 +392,51 @@ def _h16_decode_kernel(Q, QPE, O, LSE, BT, LENS, PROT,
                        stride_ob, stride_oh, stride_os, stride_bt, tiles_per_split, qk_scale,
                        SINK: gl.constexpr, RECENT: gl.constexpr, SPLIT: gl.constexpr, ABL: gl.constexpr):  # fmt: skip
     BN: gl.constexpr = 64
-    L3: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 1, 32], [1, 4, 1], [2, 1, 0])
-    L3T: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 1, 32], [4, 1, 1], [2, 1, 0])  # (warp, regs, lane)
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 1, 32], [1, 8, 1], [2, 1, 0])  # (regs, warp, lane)
+    L3T: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 1, 32], [8, 1, 1], [2, 1, 0])  # (warp, regs, lane)
     LW: gl.constexpr = gl.SliceLayout(0, L3)
     S3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
-    sbuf = gl.allocate_shared_memory(gl.float32, [8, 4, 4, 32], S3)  # (c reg x jj, jp, source warp, lane)
-    mbuf = gl.allocate_shared_memory(gl.float32, [2, 4, 4, 32], S3)  # (row half, source warp, dest warp, lane)
-    pbuf = gl.allocate_shared_memory(gl.int32, [4, 4, 4, 32], S3)  # (A register, k-block, dest warp, lane)
+    sbuf = ()  # per c register: (n-block, source warp, lane)
+    for _i in gl.static_range(4):
+        sbuf = sbuf + (gl.allocate_shared_memory(gl.float32, [8, 8, 32], S3),)
+    mbuf = ()  # per row half: (source warp, dest warp, lane)
+    pbuf = ()
+    for _i in gl.static_range(2):
+        mbuf = mbuf + (gl.allocate_shared_memory(gl.float32, [8, 8, 32], S3),)
+        pbuf = pbuf + (gl.allocate_shared_memory(gl.int32, [8, 8, 32], S3),)
 
     pid_s = gl.program_id(0)
     b = gl.program_id(1).to(gl.int64)
     L = gl.load(LENS + b).to(gl.int32)
 
-    jp3, w4, l4 = _idx3(4, L3)
-    g4 = l4 // 4
-    c4 = l4 % 4
-    gi3, w3, l3 = _idx3(2, L3)
+    j3, w3, l3 = _idx3(8, L3)
     g3 = l3 // 4
     c3 = l3 % 4
-    wl = gl.arange(0, 4, layout=gl.SliceLayout(1, LW))[:, None]
+    wl = gl.arange(0, 8, layout=gl.SliceLayout(1, LW))[:, None]
     ll = gl.arange(0, 32, layout=gl.SliceLayout(0, LW))[None, :]
     gl_ = ll // 4
     cl = ll % 4
 
     qb = Q + b * stride_qb
     qa = ()
-    for gi in gl.static_range(2):
-        for kb in gl.static_range(4):
-            qa = qa + (_q_regs(qb, stride_qh, H, g4, c4, 2 * w4 + gi, kb),)
-    qr = _qr_regs(QPE + b * stride_rb, stride_rh, H, g4, c4, w4)
+    for kb in gl.static_range(4):
+        qa = qa + (_q_regs(qb, stride_qh, H, g3, c3, w3, kb),)
+    qr = _qr_regs(QPE + b * stride_rb, stride_rh, H, g3, c3, w3)
 
-    m0 = gl.full([4, 32], float("-inf"), gl.float32, LW)
+    m0 = gl.full([8, 32], float("-inf"), gl.float32, LW)
     m1 = m0
-    l0 = gl.zeros([4, 32], gl.float32, LW)
+    l0 = gl.zeros([8, 32], gl.float32, LW)
     l1 = l0
-    z3 = gl.zeros([2, 4, 32], gl.float32, L3)
-    acc = ((z3, z3, z3, z3),) * 8
+    z = gl.zeros([8, 32], gl.float32, LW)
+    acc = ((z, z, z, z),) * 8
 
     low_hi = L - RECENT
     n_tiles = gl.cdiv(gl.minimum(gl.maximum(low_hi, SINK), L), BN)
     t_lo = pid_s * tiles_per_split
     t_hi = gl.minimum(t_lo + tiles_per_split, n_tiles)
-    tok0 = 16 * jp3 + g4  # page token of n-block 2·jp (score tiles run per jj: n-block 2·jp + jj)
+    tok = 8 * j3 + g3  # page token of n-block j in the score product
     bt_row = BT + b * stride_bt
-    tid = w3 * 32 + l3
-    wp = w3
-    lp = l3
+    tid = wl * 32 + ll
     if t_lo < t_hi:
         _prefetch_page(CCodes + gl.load(bt_row + t_lo).to(gl.int64) * ps_ccodes, tid, ps_ccodes.to(gl.int32))
     for t in range(t_lo, t_hi):
@@ -462,24 +444,21 @@ def _h16_decode_kernel(Q, QPE, O, LSE, BT, LENS, PROT,
         nxt = gl.load(bt_row + gl.minimum(t + 1, t_hi - 1)).to(gl.int64)
         nxt2 = gl.load(bt_row + gl.minimum(t + 2, t_hi - 1)).to(gl.int64)
         _prefetch_page(CCodes + nxt2 * ps_ccodes, tid, ps_ccodes.to(gl.int32))
-        _prefetch(CCodes + nxt * ps_ccodes, wp, lp)
+        _prefetch(CCodes + nxt * ps_ccodes, wl, ll)
         ccodes = CCodes + page * ps_ccodes
         cscale = CScale + page * ps_cscale
         czero = CZero + page * ps_czero
         t0 = t * BN
-        acc_s = ()
-        for jj in gl.static_range(2):
-            tok = tok0 + 8 * jj
-            if ABL == 3:  # ablation: no score product
-                acc_s = acc_s + ((gl.zeros([4, 4, 32], gl.float32, L3),) * 4,)
-            else:
-                acc_s = acc_s + (_score_tile(ccodes, cscale, czero, RCodes + page * ps_rcodes,
-                                             RScale + page * ps_rscale, RZero + page * ps_rzero, tok,
-                                             (t0 + tok >= SINK) & (t0 + tok < low_hi), w4, c4, qa, qr, L3),)  # fmt: skip
+        if ABL == 3:  # ablation: no score product
+            acc_s = (gl.zeros([8, 8, 32], gl.float32, L3),) * 4
+        else:
+            acc_s = _score_tile(ccodes, cscale, czero, RCodes + page * ps_rcodes, RScale + page * ps_rscale,
+                                RZero + page * ps_rzero, tok, (t0 + tok >= SINK) & (t0 + tok < low_hi), w3, c3, qa,
+                                qr, L3)  # fmt: skip
         ok = _own_ok(t0, L, low_hi, wl, cl, False, SINK, RECENT)
         if ABL == 2:  # ablation: no exchange between warps (wrong results, timing only)
-            v = gl.convert_layout(gl.sum(acc_s[0][0] + acc_s[1][1], axis=0), LW, assert_trivial=True)
-            a = _pack(v, v)[None, :, :]
+            v = gl.sum(acc_s[0] + acc_s[1], axis=0)
+            a = _pack(v, v)
             pa = ((a, a, a, a),) * 4
             alpha0 = gl.exp2(v - m0)
             alpha1 = alpha0
@@ -489,27 +468,25 @@ def _h16_decode_kernel(Q, QPE, O, LSE, BT, LENS, PROT,
                                                            L3, L3T)  # fmt: skip
         if ABL != 1:  # ablation 1: no P·V
             acc = _rescale(acc, alpha0, alpha1)
-            acc = _pv_page(acc, pa, ccodes, cscale, czero, t0, low_hi, gi3, w3, g3, c3, SINK)
+            acc = _pv_page(acc, pa, ccodes, cscale, czero, t0, low_hi, wl, gl_, cl, SINK)
 
     if pid_s == gl.num_programs(0) - 1:  # the protected rows: sink and recent ring
         prot = PROT + b * stride_pb
         for r0 in range(0, SINK + RECENT, BN):
-            acc_s = ()
-            for jj in gl.static_range(2):
-                r = r0 + tok0 + 8 * jj
-                acc_s = acc_s + (_score_prot(prot + r * 576, _prot_valid(r, L, SINK, RECENT), w4, c4, qa, qr, L3),)
+            r = r0 + tok
+            acc_s = _score_prot(prot + r * 576, _prot_valid(r, L, SINK, RECENT), w3, c3, qa, qr, L3)
             ok = _own_ok(r0, L, low_hi, wl, cl, True, SINK, RECENT)
             pa, alpha0, alpha1, m0, m1, l0, l1 = _exchange(acc_s, ok, m0, m1, l0, l1, qk_scale, sbuf, mbuf, pbuf,
                                                            L3, L3T)  # fmt: skip
             acc = _rescale(acc, alpha0, alpha1)
-            acc = _pv_prot(acc, pa, prot, r0, L, gi3, w3, g3, c3, SINK, RECENT)
+            acc = _pv_prot(acc, pa, prot, r0, L, wl, gl_, cl, SINK, RECENT)
 
-    # each warp summed P over its own tokens: the row sums are the four warps' together
-    mbuf.index(0).store(_to_all(l0, L3T))
-    mbuf.index(1).store(_to_all(l1, L3T))
+    # each warp summed P over its own tokens: the row sums are the eight warps' together
+    mbuf[0].store(_to_all(l0, L3T))
+    mbuf[1].store(_to_all(l1, L3T))
     _barrier()
-    l0 = gl.sum(mbuf.index(0).load(L3), axis=0)
-    l1 = gl.sum(mbuf.index(1).load(L3), axis=0)
+    l0 = gl.sum(mbuf[0].load(L3), axis=0)
+    l1 = gl.sum(mbuf[1].load(L3), axis=0)
     for hh in gl.static_range(2):
         if hh == 0:
             li = l0
@@ -521,15 +498,15 @@ def _h16_decode_kernel(Q, QPE, O, LSE, BT, LENS, PROT,
         inv = 1.0 / gl.where(has, li, 1.0)
         head = gl_ + 8 * hh + 0 * wl
         lse = gl.where(has, (mi + gl.log2(gl.where(has, li, 1.0))) * 0.6931471805599453, float("-inf"))
+        first = (head < H) & (wl == 0) & (cl == 0)
         if SPLIT:
-            gl.store(LSE + (b * H + head) * gl.num_programs(0) + pid_s, lse, mask=(head < H) & (wl == 0) & (cl == 0))
+            gl.store(LSE + (b * H + head) * gl.num_programs(0) + pid_s, lse, mask=first)
         else:
-            gl.store(LSE + b * H + head, lse, mask=(head < H) & (wl == 0) & (cl == 0))
-        h3 = g3 + 8 * hh
-        o_base = O + b * stride_ob + h3 * stride_oh + pid_s * stride_os + 64 * (2 * w3 + gi3)
+            gl.store(LSE + b * H + head, lse, mask=first)
+        o_base = O + b * stride_ob + head * stride_oh + pid_s * stride_os + 64 * wl
         for n in gl.static_range(8):
             for d in gl.static_range(2):
-                gl.store(o_base + 8 * (2 * c3 + d) + n, acc[n][2 * hh + d] * inv[None, :, :], mask=h3 < H)
+                gl.store(o_base + 8 * (2 * cl + d) + n, acc[n][2 * hh + d] * inv, mask=head < H)
 
 
 def decode(
@@ -548,7 +525,7 @@ def decode(
         r[1], r[2], r[3], r[5], r[6], r[7],
         H, q.stride(0), q.stride(1), qpe.stride(0), qpe.stride(1), prot.stride(0),
         o.stride(0), o.stride(1), o.stride(2), block_table.stride(0), per, tau * LOG2E,
-        SINK=layer.sink, RECENT=layer.recent, SPLIT=splits > 1, ABL=ablate, num_warps=4,
+        SINK=layer.sink, RECENT=layer.recent, SPLIT=splits > 1, ABL=ablate, num_warps=WARPS,
         maxnreg=maxnreg,
     )  # fmt: skip
 
