@@ -2,7 +2,7 @@
 
     python bench/gluon_sass.py            # C4R4 and C2R4
     python bench/gluon_sass.py --bits 4 --keep /tmp/g4.sass
-    python bench/gluon_sass.py --mma16    # the 16-head register-fed prototype (bench/prototypes)
+    python bench/gluon_sass.py --mma16    # the 16-head register-fed kernel (quantmla/kernels/mma_decode.py)
 
 Prints, per content width: registers, stack (spill) bytes, shared memory, and for each loop of
 the kernel its instruction count, its HGMMA (wgmma) and HMMA (mma.sync) counts, and its ``BSSY`` count (divergent regions:
@@ -37,18 +37,13 @@ INSTR = re.compile(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)(
 
 def compile_sass(bits: int, mma16: bool = False) -> tuple[str, str, int]:
     """(SASS text, resource line, shared bytes) of the kernel for ``bits``-bit content codes (or
-    of the 16-head prototype ``bench/prototypes/mma_decode16.py``, C4R4 only)."""
+    of the 16-head register-fed kernel :mod:`quantmla.kernels.mma_decode`, C4R4 only)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     if mma16:
-        sys.path.insert(0, str(Path(__file__).resolve().parent / "prototypes"))
-        import mma_decode16
+        from quantmla.kernels import mma_decode
 
-        k, consts, warps = (
-            mma_decode16._h16_decode_kernel,
-            dict(SINK=4, RECENT=128, SPLIT=True, ABL=0),
-            mma_decode16.WARPS,
-        )
+        k, consts, warps = mma_decode._h16_decode_kernel, dict(SINK=4, RECENT=128, SPLIT=True, ABL=0), mma_decode.WARPS
     else:
         k, consts, warps = gluon_decode._h64_decode_kernel, dict(SINK=4, RECENT=128, SPLIT=True, C_BITS=bits), 8
     sig, attrs = {}, {}
@@ -90,7 +85,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bits", type=int, choices=(2, 4), nargs="*", default=[4, 2])
     ap.add_argument("--keep", help="also write the SASS here (one width only)")
-    ap.add_argument("--mma16", action="store_true", help="the 16-head register-fed prototype instead (C4R4)")
+    ap.add_argument("--mma16", action="store_true", help="the 16-head register-fed kernel instead (C4R4)")
     args = ap.parse_args()
     print(f"triton {triton.__version__}, sm_90")
     for bits in [4] if args.mma16 else args.bits:

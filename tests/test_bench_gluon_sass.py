@@ -1,7 +1,7 @@
 """bench/gluon_sass.py compiles the Gluon decode kernel for sm_90 with the installed Triton (no GPU
 needed) and finds its two tile loops: the page loop and the recent ring's, each issuing the
 52 HGMMA of one 64-token tile (scores: 4 chunks x 8 + RoPE 4; P·V: 4 chunks x 4); and the same for
-the 16-head register-fed prototype, whose page and protected-row loops each issue one tile's
+the 16-head register-fed kernel, whose page and protected-row loops each issue one tile's
 mma.sync per warp."""
 
 import os
@@ -30,7 +30,7 @@ def test_gluon_kernel_compiles_for_hopper_with_one_tile_per_loop_iteration(bits)
     assert hgmma == [52, 52], r.stdout
 
 
-def test_register_fed_prototype_compiles_for_hopper_with_one_tile_per_loop_iteration():
+def test_register_fed_kernel_compiles_for_hopper_with_one_tile_per_loop_iteration():
     pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run(
@@ -41,10 +41,9 @@ def test_register_fed_prototype_compiles_for_hopper_with_one_tile_per_loop_itera
     head = re.search(r"mma16 C4R4: REG:(\d+) STACK:(\d+) shared=(\d+) B", r.stdout)
     assert head and int(head.group(3)) <= 227 * 1024, r.stdout
     loops = re.findall(r"loop \d+: \d+ instructions, (\d+) HGMMA, (\d+) HMMA", r.stdout)
-    sys.path.insert(0, str(ROOT / "bench" / "prototypes"))
-    import mma_decode16
+    from quantmla.kernels import mma_decode
 
     # per warp and tile: 4 warps own two groups (scores 8 n-blocks x 9 k-blocks, P·V 4 x 16),
     # 8 warps one (scores 8 x (4 + one k8 RoPE block), P·V 4 x 8)
-    per_tile = {4: 136, 8: 72}[mma_decode16.WARPS]
+    per_tile = {4: 136, 8: 72}[mma_decode.WARPS]
     assert [(int(a), int(b)) for a, b in loops] == [(0, per_tile), (0, per_tile)], r.stdout

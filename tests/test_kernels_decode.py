@@ -87,21 +87,30 @@ def test_decode_splits_where_the_last_holds_only_the_protected_rows():
         assert rel(o, o_ref) < TOL and rel(lse, lse_ref) < TOL, splits
 
 
+MMA16 = dict(pv_split=False, mma16_min_tiles=1)  # the 16-head register-fed kernel, at any split length
+
+
 @pytest.mark.parametrize(
-    "cb, H, lengths",
+    "cb, H, lengths, extra",
     [
-        (4, 16, [300, 70, 3, 200]),
-        (2, 16, [133, 260]),
-        pytest.param(4, 128, [4000, 300, 70, 3], marks=pytest.mark.skipif(DEVICE.type == "cpu", reason="GPU: Gluon")),
-        pytest.param(2, 128, [2500, 133], marks=pytest.mark.skipif(DEVICE.type == "cpu", reason="GPU: Gluon")),
+        (4, 16, [300, 70, 3, 200], {}),
+        (2, 16, [133, 260], {}),
+        pytest.param(
+            4, 128, [4000, 300, 70, 3], {}, marks=pytest.mark.skipif(DEVICE.type == "cpu", reason="GPU: Gluon")
+        ),
+        pytest.param(2, 128, [2500, 133], {}, marks=pytest.mark.skipif(DEVICE.type == "cpu", reason="GPU: Gluon")),
+        pytest.param(
+            4, 16, [300, 70, 3, 200], MMA16, marks=pytest.mark.skipif(DEVICE.type == "cpu", reason="GPU: Gluon")
+        ),
     ],
     ids=str,
 )
-def test_decode_reads_protected_rows_from_the_protection_buffer(cb, H, lengths):
+def test_decode_reads_protected_rows_from_the_protection_buffer(cb, H, lengths, extra):
     """The sink and the recent ring are attended to from the BF16 protection buffer, never from the
     pages: with those rows replaced by unrelated values (so that reading a page instead moves the
     output by O(1)), the kernel still matches the reference, one split and several. Above 16 heads
-    on a Hopper GPU this is the Gluon kernel, whose sink rows ride in page tile 0."""
+    on a Hopper GPU this is the Gluon kernel, whose sink rows ride in page tile 0; with ``MMA16``
+    at 16 heads, the register-fed one (P in BF16, hence its 1e-2)."""
     gen = torch.Generator().manual_seed(11 + cb + H)
     layer, bt, lens, _, _ = filled_layer(PageFormat(cb, 4), lengths, gen)
     q, qp = _queries(len(lengths), H, gen)
@@ -109,8 +118,8 @@ def test_decode_reads_protected_rows_from_the_protection_buffer(cb, H, lengths):
     layer.prot.copy_((torch.randn(layer.prot.shape, generator=gen) * 3 - 1).to(layer.prot.device, layer.prot.dtype))
     o_ref, lse_ref = ref.decode(layer, bt, lens, q, qp, 576**-0.5)
     assert all(rel(o_pages[b], o_ref[b]) > 0.1 for b in range(len(lengths)))  # they weigh in every request
-    tol = 1e-2 if H > 16 else TOL  # P as one BF16 tile above 16 heads
-    for cfg in (dict(num_splits=1), dict(num_splits=3)):
+    tol = 1e-2 if H > 16 or extra else TOL  # P as one BF16 tile above 16 heads
+    for cfg in (dict(num_splits=1, **extra), dict(num_splits=3, **extra)):
         out = _poisoned(len(lengths), H)
         o, lse = kernels.decode(layer, bt, lens, q, qp, 576**-0.5, "triton", cfg, out=out)
         assert not torch.isnan(o).any() and not torch.isnan(lse).any()
@@ -248,7 +257,7 @@ def test_gluon_decode_matches_reference(cb, H, splits):
     q, qp = _queries(len(lengths), H, gen)
     cfg = {} if splits is None else dict(num_splits=splits)
     full = default_config(len(lengths), H, 4000, layer.fmt, q.device, cfg)
-    assert plan(layer, H, full, q.device, 4000)[0]
+    assert plan(layer, H, full, q.device, 4000)[0] == "gluon"
     o_ref, lse_ref = ref.decode(layer, bt, lens, q, qp, 576**-0.5)
     out = _poisoned(len(lengths), H)
     o, lse = kernels.decode(layer, bt, lens, q, qp, 576**-0.5, "triton", cfg, out=out)
@@ -276,3 +285,52 @@ def test_gluon_kernel_applies_only_where_it_was_written_for():
     assert not uses_gluon(layer, 16, default_config(1, 16, 70, layer.fmt, dev, {}), dev, 8)
     for override in (dict(pv_split=True), dict(block_n=32), dict(gluon=False)):
         assert not uses_gluon(layer, 128, default_config(1, 128, 70, layer.fmt, dev, override), dev, 8), override
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs a Hopper GPU (Gluon has no interpreter)")
+@pytest.mark.parametrize("H, splits", [(16, None), (16, 1), (16, 3), (9, 2)], ids=str)
+def test_mma16_decode_matches_reference(H, splits):
+    """C4R4 at up to 16 heads with P as one BF16 tile runs the register-fed kernel (here at any split
+    length): ragged requests (shorter than the protected rows, not page multiples, empty), one,
+    two, three or the default number of splits; every output written, within P's BF16 rounding of
+    the float32 reference, LSE to 1e-3."""
+    from quantmla.kernels.triton_decode import default_config, plan
+
+    gen = torch.Generator().manual_seed(H + 3)
+    lengths = [4000, 300, 70, 1, 0]
+    layer, bt, lens, _, _ = filled_layer(PageFormat(4, 4), lengths, gen)
+    q, qp = _queries(len(lengths), H, gen)
+    cfg = dict(MMA16) if splits is None else dict(MMA16, num_splits=splits)
+    full = default_config(len(lengths), H, 4000, layer.fmt, q.device, cfg)
+    assert plan(layer, H, full, q.device, 4000)[0] == "mma16"
+    o_ref, lse_ref = ref.decode(layer, bt, lens, q, qp, 576**-0.5)
+    out = _poisoned(len(lengths), H)
+    o, lse = kernels.decode(layer, bt, lens, q, qp, 576**-0.5, "triton", cfg, out=out)
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+    assert rel(o, o_ref) < 1e-2 and rel(lse, lse_ref) < TOL and same_inf(lse, lse_ref)
+
+
+def test_mma16_kernel_applies_only_where_it_was_written_for():
+    """The register-fed path takes C4R4 in BF16 with protection, at most 16 heads, P as one BF16
+    tile, 64-token tiles and at least MMA16_MIN_TILES tiles per split on a Hopper GPU; anything else
+    (the interpreter, C2R4, 17 heads, the hi/lo P that is the 16-head default, other tiles,
+    ``mma16=False``, short splits) runs the Triton kernel."""
+    from quantmla.kernels.triton_decode import MMA16_MIN_TILES, default_config, plan, uses_mma16
+
+    gen = torch.Generator().manual_seed(9)
+    layer, _, _, _, _ = filled_layer(PageFormat(4, 4), [70], gen)
+    c2, _, _, _, _ = filled_layer(PageFormat(2, 4), [70], gen)
+    dev = torch.device(DEVICE)
+    cfg = default_config(1, 16, 70, layer.fmt, dev, dict(pv_split=False))
+    assert uses_mma16(layer, 16, cfg, dev, MMA16_MIN_TILES) == _hopper()
+    assert uses_mma16(layer, 9, cfg, dev, MMA16_MIN_TILES) == _hopper()
+    assert not uses_mma16(layer, 16, cfg, dev, MMA16_MIN_TILES - 1)
+    assert uses_mma16(layer, 16, dict(cfg, mma16_min_tiles=1), dev, 1) == _hopper()
+    assert not uses_mma16(c2, 16, cfg, dev, MMA16_MIN_TILES)
+    assert not uses_mma16(layer, 17, cfg, dev, MMA16_MIN_TILES)
+    assert not uses_mma16(layer, 16, default_config(1, 16, 70, layer.fmt, dev, {}), dev, MMA16_MIN_TILES)
+    for override in (dict(block_n=32), dict(mma16=False)):
+        assert not uses_mma16(layer, 16, dict(cfg, **override), dev, MMA16_MIN_TILES), override
+    # the default 16-head config (hi/lo P) plans the Triton kernel at any length
+    full = default_config(1, 16, 1 << 20, layer.fmt, dev, {})
+    assert plan(layer, 16, full, dev, 1 << 20)[0] == "triton"

@@ -148,6 +148,9 @@ DECODE_CONFIG = {
     "maxnreg": "registers per thread the compiler may use (more programs per SM, spills beyond); none by default",
     "gluon": "run the Gluon Hopper kernel where it applies (C4R4 or C2R4 in BF16, > 16 heads, P as one BF16 tile, "
     "64-token tiles, sm_90): True by default above 16 heads",
+    "mma16": "run the register-fed Gluon kernel where it applies (C4R4 in BF16, <= 16 heads, P as one BF16 tile, "
+    "64-token tiles, sm_90, long enough splits): True by default",
+    "mma16_min_tiles": "fewest tiles per split for the register-fed kernel (default triton_decode.MMA16_MIN_TILES)",
 }
 PREFILL_CONFIG = {
     "block_m": "(query, head) rows per program",

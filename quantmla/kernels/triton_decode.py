@@ -385,6 +385,8 @@ TILES = {
     # what lets 64-head programs compile to wgmma, one program per 64 heads reconstructing each
     # tile once. Four content chunks cut the registers a reconstructed tile holds (v13). Where the
     # Gluon Hopper kernel applies (C4R4 and C2R4, see gluon_decode.applies), it runs instead (v15).
+    # At up to 16 heads the default keeps the hi/lo P; asked for P as one BF16 tile (pv_split=False),
+    # C4R4 runs the register-fed Gluon kernel where its splits are long enough (uses_mma16, v19).
     (False, False): dict(block_h=16, block_n=64, num_warps=4, num_stages=2, chunks=4),
     (False, True): dict(block_h=16, block_n=64, num_warps=4, num_stages=2, chunks=4),
     (True, False): dict(block_h=64, block_n=64, num_warps=8, num_stages=2, pv_split=False),
@@ -461,10 +463,26 @@ def _gluon():
     return gluon_decode
 
 
+@functools.cache
+def _mma16():
+    """The 16-head register-fed Gluon kernel's module, or None where this Triton has no (compatible) Gluon."""
+    try:
+        from quantmla.kernels import mma_decode
+    except (ImportError, AttributeError):
+        return None
+    return mma_decode
+
+
 GLUON_MIN_TILES = 4
 """Fewest tiles per split for the Gluon kernel: with 1-2 its prologue (the query block and the first
 tile, not overlapped) costs more than the overlap wins (H=128, B=1, L <= 8K: 18 % slower than the
 Triton kernel at 1-2 tiles per split, 5 % faster at 8; bench/NOTES.md, v15)."""
+
+MMA16_MIN_TILES = 64
+"""Fewest tiles per split for the 16-head register-fed kernel (config ``mma16_min_tiles`` overrides).
+Against the Triton kernel with the same BF16 P it measured 12 % slower at 17 tiles per split
+(B=32, L=8K) and 34 % at batch 1, even at 65 (B=32, L=32K: 0.315 against 0.316 ms) and 4 % faster
+at 257 (B=128, L=32K: 1.133 against 1.179 ms; bench/NOTES.md, v19)."""
 
 
 def uses_gluon(layer, H: int, cfg: dict, device, per: int) -> bool:
@@ -479,15 +497,32 @@ def uses_gluon(layer, H: int, cfg: dict, device, per: int) -> bool:
     return g is not None and g.applies(layer, H, device)
 
 
-def plan(layer, H: int, cfg: dict, device, max_len: int) -> tuple[bool, int, int]:
-    """(Gluon kernel?, splits, tiles per split) for a decode with tiles ``cfg``: the Gluon kernel
-    where :func:`uses_gluon` takes the shape with its own work count, else the Triton kernel (whose
-    configs, without ``gluon``, count their work once: this runs for every decode call)."""
+def uses_mma16(layer, H: int, cfg: dict, device, per: int) -> bool:
+    """Whether a decode with tiles ``cfg`` and ``per`` tiles per split runs on :mod:`.mma_decode`:
+    at most 16 heads with P as one BF16 tile (``pv_split=False``), 64-token tiles, config ``mma16``
+    not False, at least ``mma16_min_tiles`` (default :data:`MMA16_MIN_TILES`) tiles per split, and
+    a layer and device that kernel takes."""
+    if INTERPRET or H > 16 or cfg.get("pv_split", True) or not cfg.get("mma16", True) or cfg["block_n"] != 64:
+        return False
+    if per < int(cfg.get("mma16_min_tiles", MMA16_MIN_TILES)):
+        return False
+    m = _mma16()
+    return m is not None and m.applies(layer, H, device)
+
+
+def plan(layer, H: int, cfg: dict, device, max_len: int) -> tuple[str, int, int]:
+    """(kernel, splits, tiles per split) for a decode with tiles ``cfg``: ``"gluon"`` where
+    :func:`uses_gluon` takes the shape with its own work count, ``"mma16"`` where
+    :func:`uses_mma16` does, else ``"triton"`` (whose configs, without ``gluon``, count their work
+    once: this runs for every decode call)."""
     if cfg.get("gluon"):
         splits, per = split_work(layer, max_len, cfg["block_n"], int(cfg["num_splits"]), sink_in_tile0=True)
         if uses_gluon(layer, H, cfg, device, per):
-            return True, splits, per
-    return False, *split_work(layer, max_len, cfg["block_n"], int(cfg["num_splits"]))
+            return "gluon", splits, per
+    splits, per = split_work(layer, max_len, cfg["block_n"], int(cfg["num_splits"]))
+    if H <= 16 and not cfg.get("pv_split", True) and uses_mma16(layer, H, cfg, device, per):
+        return "mma16", splits, per
+    return "triton", splits, per
 
 
 def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | None = None, out=None):
@@ -501,7 +536,7 @@ def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | 
     block_h, block_n = cfg["block_h"], cfg["block_n"]
     if block_h < 16 or block_n < 16 or PAGE % block_n or (block_h & (block_h - 1)):
         raise ValueError(f"decode tiles: block_n must divide {PAGE}, both powers of two of at least 16; got {cfg}")
-    gluon, splits, per = plan(layer, H, cfg, dev, max_len)
+    kernel, splits, per = plan(layer, H, cfg, dev, max_len)
     q = q_lat.to(fmt.dtype).contiguous()
     qpe = q_pe.to(fmt.dtype).contiguous()
     o, lse = out if out is not None else (torch.empty(B, H, fmt.d_c, dtype=torch.float32, device=dev), None)
@@ -511,8 +546,10 @@ def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | 
     split = splits > 1
     op = torch.empty(B, H, splits, fmt.d_c, dtype=torch.float32, device=dev) if split else o.unsqueeze(2)
     lsep = torch.empty(B, H, splits, dtype=torch.float32, device=dev) if split else lse
-    if gluon:
+    if kernel == "gluon":
         _gluon().decode(layer, block_table, lengths, q, qpe, op, lsep, tau, splits, per)
+    elif kernel == "mma16":
+        _mma16().decode(layer, block_table, lengths, q, qpe, op, lsep, tau, splits, per)
     else:
         _launch(layer, block_table, lengths, q, qpe, op, lsep, tau, cfg, splits, per)
     if split:
@@ -580,4 +617,4 @@ def _launch(layer, block_table, lengths, q, qpe, op, lsep, tau, cfg, splits, per
     )
 
 
-__all__ = ["decode", "default_config", "plan", "split_work", "uses_gluon"]
+__all__ = ["decode", "default_config", "plan", "split_work", "uses_gluon", "uses_mma16"]

@@ -14,7 +14,8 @@ so the channel and token orders inside a fragment follow the code words, not mem
   loaded once in the same order (:func:`_q_channel`).
 - P·V: a thread of group lane ``g`` loads the 4 code bytes with channels 8g..8g+7 of one group
   for the tokens it owns along K; nibble ``n`` becomes output column ``g`` of n-block ``n``, i.e.
-  channel 8g + n (:func:`_store_out` writes them back in place).
+  channel 8g + n (the kernel's last lines write them back in place). These codes enter as the
+  exact q − z; each token's scale multiplies its column of P instead (``_pv_page``).
 
 Four warps per program. Warp ``w`` owns content groups 2w and 2w+1 (128 channels) and RoPE
 channels 16w..16w+15: it computes the partial scores of those channels for all 64 tokens of a
@@ -23,18 +24,24 @@ each warp sums the 16 tokens it owns, takes their row maxima; maxima exchanged; 
 16 tokens of P (BF16) exchanged as mma A fragments; P·V. Three barriers per tile, ~0.7 KB of
 shared-memory traffic per token.
 
+Addresses are a per-thread pointer, formed once per tile, plus per-register constants, which the
+compiler folds into the loads.
+
 The tensors here are per-thread register arrays: shape ``(regs..., 4 warps, 32 lanes)`` in
 layouts whose last two axes are the warp and the lane, so a tensor element is one register of
 one thread, and ``gl.inline_asm_elementwise`` issues one ``mma.sync`` per element index across
 the warp. Protected rows (sink and recent ring) come from the BF16 protection buffer in the last
 split, as three tiles, as in the Triton kernel (``triton_decode.split_work``).
 
-A prototype beside the core (bench/NOTES.md, v17): correct against the float32 reference, and
-slower than the Triton kernel it would replace (0.76-0.85x of BF16), so decode does not dispatch
-here. It takes C4R4 in a BF16 cache (group 64, d_c 512, d_r 64, protection buffers on) for at most
-16 heads on a Hopper GPU (:func:`applies`). ``python bench/prototypes/mma_check.py`` checks and
-times it on the GPU; ``python bench/gluon_sass.py --mma16`` compiles it for sm_90 without one.
-``ablate`` (1-3) leaves a stage out, for timing only.
+Takes C4R4 in a BF16 cache (group 64, d_c 512, d_r 64, protection buffers on) for at most 16 heads
+on a Hopper GPU (:func:`applies`), with P as one BF16 tile. :func:`.triton_decode.plan` sends a
+decode here when its config asks for that precision (``pv_split=False``; the default at 16 heads
+keeps the hi/lo P of the Triton kernel) and each split walks at least ``MMA16_MIN_TILES`` tiles.
+With the same BF16 P, the Triton kernel is as fast at 65 tiles per split and 4 % slower at 257;
+below, it is faster (bench/NOTES.md, v17-v19).
+No interpreter runs Gluon: the GPU tests cover this file; ``python bench/gluon_sass.py --mma16``
+compiles it for sm_90 without a GPU and ``python bench/mma16_check.py`` times it with
+each stage left out in turn (``ablate``, for timing only).
 """
 
 from __future__ import annotations
@@ -50,12 +57,11 @@ from quantmla.kernels.gluon_decode import _prot_valid
 
 LOG2E = 1.4426950408889634
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-WARPS = 8  # warps per program: warp w owns content group w
+WARPS = 4
 
 _MMA = gl.constexpr(
     "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};"
 )
-_MMA8 = gl.constexpr("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {$0,$1,$2,$3}, {$4,$5}, {$6}, {$7,$8,$9,$10};")
 _PACK = gl.constexpr("cvt.rn.bf16x2.f32 $0, $2, $1;")  # (lo, hi) float32 -> bf16x2
 _SHFL = gl.constexpr("shfl.sync.bfly.b32 $0, $1, $2, 0x1f, 0xffffffff;")
 
@@ -73,11 +79,11 @@ _SCORE_WORD = gl.constexpr(
     + "}"
 )
 
-# The same word of two tokens a, b -> eight bf16x2 registers (a, b) of channels 0..7.
-# $8 word a, $9 word b, $10 scale pair (a, b), $11 −(128 + z) pair.
-_PV_WORDS = gl.constexpr(
-    "{\n.reg .b32 t0, t1, u<6>, one, nzero;\n"
-    "mov.b32 one, 0x3f803f80;\nmov.b32 nzero, 0x80008000;\n"
+# The same word of two tokens a, b -> eight bf16x2 registers (a, b) of q − z of channels 0..7.
+# $8 word a, $9 word b, $10 −(128 + z) pair.
+_PV_CODES = gl.constexpr(
+    "{\n.reg .b32 t0, t1, u<6>, one;\n"
+    "mov.b32 one, 0x3f803f80;\n"
     "prmt.b32 t0, $8, $9, 0x5410;\nprmt.b32 t1, $8, $9, 0x7632;\n"
     "shr.u32 u0, t0, 4;\nshr.u32 u1, t0, 8;\nshr.u32 u2, t0, 12;\n"
     "shr.u32 u3, t1, 4;\nshr.u32 u4, t1, 8;\nshr.u32 u5, t1, 12;\n"
@@ -85,8 +91,7 @@ _PV_WORDS = gl.constexpr(
     "lop3.b32 $2, u1, 0x000f000f, 0x43004300, 0xea;\nlop3.b32 $3, u2, 0x000f000f, 0x43004300, 0xea;\n"
     "lop3.b32 $4, t1, 0x000f000f, 0x43004300, 0xea;\nlop3.b32 $5, u3, 0x000f000f, 0x43004300, 0xea;\n"
     "lop3.b32 $6, u4, 0x000f000f, 0x43004300, 0xea;\nlop3.b32 $7, u5, 0x000f000f, 0x43004300, 0xea;\n"
-    + "".join(f"fma.rn.bf16x2 ${i}, ${i}, one, $11;\n" for i in range(8))
-    + "".join(f"fma.rn.bf16x2 ${i}, ${i}, $10, nzero;\n" for i in range(8))
+    + "".join(f"fma.rn.bf16x2 ${i}, ${i}, one, $10;\n" for i in range(8))
     + "}"
 )
 
@@ -97,15 +102,6 @@ def _mma(a, b0, b1, c):
     b0/b1: 2, c: 4 float32), broadcast over the register axes."""
     return gl.inline_asm_elementwise(
         _MMA, "=f,=f,=f,=f,r,r,r,r,r,r,0,1,2,3", [a[0], a[1], a[2], a[3], b0, b1, c[0], c[1], c[2], c[3]],
-        dtype=(gl.float32,) * 4, is_pure=True, pack=1,
-    )  # fmt: skip
-
-
-@gluon.jit
-def _mma8(a, b, c):
-    """c + a·b with one m16n8k8 BF16 product per element index (a: 2 registers, b: 1)."""
-    return gl.inline_asm_elementwise(
-        _MMA8, "=f,=f,=f,=f,r,r,r,0,1,2,3", [a[0], a[1], b, c[0], c[1], c[2], c[3]],
         dtype=(gl.float32,) * 4, is_pure=True, pack=1,
     )  # fmt: skip
 
@@ -167,9 +163,9 @@ def _nz(z):
 
 @gluon.jit
 def _idx3(N: gl.constexpr, L3: gl.constexpr):
-    """Index tensors of a (regs, warp, lane) layout of 8 warps."""
+    """Index tensors of a (regs, warp, lane) layout."""
     i = gl.arange(0, N, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))[:, None, None]
-    w = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))[None, :, None]
+    w = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))[None, :, None]
     lane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
     return i, w, lane
 
@@ -198,91 +194,129 @@ def _q_regs(qb, stride_qh, H, g, c, G, kb: gl.constexpr):
 
 @gluon.jit
 def _qr_regs(qb, stride_qh, H, g, c, w):
-    """A fragment of the m16n8k8 RoPE product of warp ``w``: channels 8w + 2c, 8w + 2c + 1."""
+    """A fragment of RoPE k-block ``w`` (channels 16w + 4c + (0, 2) and (1, 3) in a thread's halves)."""
     out = ()
-    for ai in gl.static_range(2):
-        head = g + 8 * ai
-        out = out + (gl.load((qb + head * stride_qh + 8 * w + 2 * c).to(gl.pointer_type(gl.int32)), mask=head < H,
-                             other=0),)  # fmt: skip
+    for ai in gl.static_range(4):
+        head = g + 8 * (ai % 2)
+        ptr = (qb + head * stride_qh + 16 * w + 4 * c + ai // 2).to(gl.pointer_type(gl.int16))
+        lo = gl.load(ptr, mask=head < H, other=0).to(gl.int32)
+        hi = gl.load(ptr + 2, mask=head < H, other=0).to(gl.int32)
+        out = out + (_pair(lo, hi),)
     return out
 
 
 @gluon.jit
-def _score_tile(ccodes, cscale, czero, rcodes, rscale, rzero, tok, ok, w, c, qa, qr, L3: gl.constexpr):
-    """Partial scores of warp ``w``'s channels (content group w, RoPE channels 8w..8w+7) for tokens
-    ``tok`` of a page (per (regs, warp, lane)); tokens not ``ok`` get zero scales."""
-    acc = (gl.zeros(tok.shape, gl.float32, L3),) * 4
-    s = gl.load((cscale + tok * 8 + w).to(gl.pointer_type(gl.int16)), mask=ok, other=0).to(gl.int32) & 0xFFFF
-    z = gl.load(czero + tok * 8 + w).to(gl.int32)
-    s2 = s | (s << 16)
-    n2 = _pair(_nz(z), _nz(z))
-    x = gl.load((ccodes + w * 2048 + tok * 32 + 8 * c).to(gl.pointer_type(gl.int64)))
-    for half in gl.static_range(2):
-        word = (x >> (32 * half)).to(gl.int32)
-        r = gl.inline_asm_elementwise(_SCORE_WORD, "=r,=r,=r,=r,r,r,r", [word, s2, n2], dtype=(gl.int32,) * 4,
-                                      is_pure=True, pack=1)  # fmt: skip
-        acc = _mma(qa[2 * half], r[0], r[1], acc)
-        acc = _mma(qa[2 * half + 1], r[2], r[3], acc)
-    # RoPE channels 8w + 2c, +1 of the token, float32 scale as the reference multiplies
-    h = gl.load(rcodes + tok * 32 + 4 * w + c).to(gl.int32)
-    sr = gl.load(rscale + tok, mask=ok, other=0.0)
-    zr = gl.load(rzero + tok, mask=ok, other=0).to(gl.float32)
-    lo = ((((h & 15).to(gl.float32) - zr) * sr).to(gl.bfloat16).to(gl.int16, bitcast=True)).to(gl.int32)
-    hi = (((((h >> 4) & 15).to(gl.float32) - zr) * sr).to(gl.bfloat16).to(gl.int16, bitcast=True)).to(gl.int32)
-    return _mma8(qr, _pair(lo, hi), acc)
+def _score_tile(ccodes, cscale, czero, rcodes, rscale, rzero, jreg, g, ok, w, c, qa, qr, L3: gl.constexpr):
+    """Partial scores of this warp's channels for 32 tokens of a page tile (token ``jreg + g`` in
+    the page: ``jreg`` per register, ``g`` per lane); tokens not ``ok`` get zero scales (and are
+    masked later). Addresses are a per-thread pointer plus a per-register constant."""
+    acc = (gl.zeros([4, 4, 32], gl.float32, L3),) * 4
+    sc = gl.load(((cscale + (g * 8 + 2 * w)) + jreg * 8).to(gl.pointer_type(gl.int32)), mask=ok, other=0)
+    zz = gl.load(((czero + (g * 8 + 2 * w)) + jreg * 8).to(gl.pointer_type(gl.int16)), mask=ok, other=0).to(gl.int32)
+    cthr = ccodes + (w * 4096 + g * 32 + 8 * c)
+    for gi in gl.static_range(2):
+        x = gl.load((cthr + (jreg * 32 + gi * 2048)).to(gl.pointer_type(gl.int64)))
+        if gi == 0:
+            s = sc & 0xFFFF
+            z = zz & 0xFF
+        else:
+            s = (sc >> 16) & 0xFFFF
+            z = (zz >> 8) & 0xFF
+        s2 = s | (s << 16)
+        n2 = _pair(_nz(z), _nz(z))
+        for half in gl.static_range(2):
+            word = (x >> (32 * half)).to(gl.int32)
+            r = gl.inline_asm_elementwise(_SCORE_WORD, "=r,=r,=r,=r,r,r,r", [word, s2, n2], dtype=(gl.int32,) * 4,
+                                          is_pure=True, pack=1)  # fmt: skip
+            acc = _mma(qa[gi * 4 + 2 * half], r[0], r[1], acc)
+            acc = _mma(qa[gi * 4 + 2 * half + 1], r[2], r[3], acc)
+    # RoPE channels 16w + 4c .. +3 of the token, float32 scale as the reference multiplies
+    h = gl.load(((rcodes + (g * 32 + 8 * w + 2 * c)) + jreg * 32).to(gl.pointer_type(gl.int16))).to(gl.int32)
+    sr = gl.load((rscale + g) + jreg, mask=ok, other=0.0)
+    zr = gl.load((rzero + g) + jreg, mask=ok, other=0).to(gl.float32)
+    x = ()
+    for k in gl.static_range(4):
+        v = (((h >> (4 * k)) & 15).to(gl.float32) - zr) * sr
+        x = x + (v.to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32),)
+    acc = _mma(qr, _pair(x[0], x[2]), _pair(x[1], x[3]), acc)
+    return acc
 
 
 @gluon.jit
 def _score_prot(prow, ok, w, c, qa, qr, L3: gl.constexpr):
-    """Partial scores for protected BF16 rows at ``prow`` (rows not ``ok`` read as zeros)."""
-    acc = (gl.zeros(prow.shape, gl.float32, L3),) * 4
-    base = (prow + w * 64 + 16 * c).to(gl.pointer_type(gl.int64))
-    for kb in gl.static_range(4):  # channels 4kb .. 4kb+3 of the thread's 16: registers (0,2), (1,3)
-        v = gl.load(base + kb, mask=ok, other=0)
-        lo = v.to(gl.int32)
-        hi = (v >> 32).to(gl.int32)
-        acc = _mma(qa[kb], _prmt(lo, hi, 0x5410), _prmt(lo, hi, 0x7632), acc)
-    b = gl.load((prow + 512 + 8 * w + 2 * c).to(gl.pointer_type(gl.int32)), mask=ok, other=0)
-    return _mma8(qr, b, acc)
+    """Partial scores for 32 protected BF16 rows at ``prow`` (pointer per (jp, warp, lane); rows
+    not ``ok`` read as zeros)."""
+    acc = (gl.zeros([4, 4, 32], gl.float32, L3),) * 4
+    for gi in gl.static_range(2):
+        base = (prow + (2 * w + gi) * 64 + 16 * c).to(gl.pointer_type(gl.int64))
+        for kb in gl.static_range(4):  # channels 4kb .. 4kb+3 of the thread's 16: registers (0,2), (1,3)
+            v = gl.load(base + kb, mask=ok, other=0)
+            lo = v.to(gl.int32)
+            hi = (v >> 32).to(gl.int32)
+            acc = _mma(qa[gi * 4 + kb], _prmt(lo, hi, 0x5410), _prmt(lo, hi, 0x7632), acc)
+    v = gl.load((prow + 512 + 16 * w + 4 * c).to(gl.pointer_type(gl.int64)), mask=ok, other=0)
+    lo = v.to(gl.int32)
+    hi = (v >> 32).to(gl.int32)
+    acc = _mma(qr, _prmt(lo, hi, 0x5410), _prmt(lo, hi, 0x7632), acc)
+    return acc
 
 
 @gluon.jit
-def _pv_page(acc, pa, ccodes, cscale, czero, t0, low_hi, w, g, c, SINK: gl.constexpr):
-    """P·V of a page tile for warp ``w``'s group: ``acc`` (8 n-blocks x 4 registers, (warp, lane))
-    plus the products with P (``pa``: A fragments of the four 16-token k-blocks)."""
+def _pv_page(acc, pa, ccodes, cscale, czero, t0, low_hi, gi3, w3, g3, c3, SINK: gl.constexpr):
+    """P·V for a page tile: ``acc`` (8 n-blocks x 4 registers of (2 groups, warp, lane)) plus the
+    products with P (``pa``: A fragments of the four 16-token k-blocks). The codes enter as the
+    exact q − z; each token's scale multiplies its column of P instead (one bf16x2 product per
+    A register and group)."""
+    cthr = ccodes + (w3 * 4096 + 2 * c3 * 32 + 4 * g3)
+    sthr = cscale + (2 * c3 * 8 + 2 * w3)
+    zthr = czero + (2 * c3 * 8 + 2 * w3)
     for kb in gl.static_range(4):
         bs = ()
+        s2 = ()
         for e in gl.static_range(2):
             ws = ()
             ss = ()
             ns = ()
             for d in gl.static_range(2):
-                tk = 16 * kb + 8 * e + 2 * c + d
-                ok = (t0 + tk >= SINK) & (t0 + tk < low_hi)
-                ws = ws + (gl.load((ccodes + w * 2048 + tk * 32 + 4 * g).to(gl.pointer_type(gl.int32))),)
-                ss = ss + (gl.load((cscale + tk * 8 + w).to(gl.pointer_type(gl.int16)), mask=ok, other=0).to(gl.int32),)
-                ns = ns + (_nz(gl.load(czero + tk * 8 + w).to(gl.int32)),)
-            bs = bs + (gl.inline_asm_elementwise(_PV_WORDS, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r",
-                                                 [ws[0], ws[1], _pair(ss[0], ss[1]), _pair(ns[0], ns[1])],
+                tr = 16 * kb + 8 * e + d  # token = tr + 2c
+                absl = t0 + tr + 2 * c3
+                ok = (absl >= SINK) & (absl < low_hi)
+                ws = ws + (gl.load((cthr + (tr * 32 + gi3 * 2048)).to(gl.pointer_type(gl.int32))),)
+                sc = gl.load((sthr + tr * 8).to(gl.pointer_type(gl.int32)), mask=ok, other=0)
+                zz = gl.load((zthr + tr * 8).to(gl.pointer_type(gl.int16))).to(gl.int32)
+                ss = ss + (gl.where(gi3 == 0, sc, sc >> 16) & 0xFFFF,)
+                ns = ns + (_nz(gl.where(gi3 == 0, zz, zz >> 8) & 0xFF),)
+            s2 = s2 + (_pair(ss[0], ss[1]),)
+            bs = bs + (gl.inline_asm_elementwise(_PV_CODES, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r",
+                                                 [ws[0], ws[1], _pair(ns[0], ns[1])],
                                                  dtype=(gl.int32,) * 8, is_pure=True, pack=1),)  # fmt: skip
+        a = pa[kb]
+        ap = (_hmul2(a[0], s2[0]), _hmul2(a[1], s2[0]), _hmul2(a[2], s2[1]), _hmul2(a[3], s2[1]))
         out = ()
         for n in gl.static_range(8):
-            out = out + (_mma(pa[kb], bs[0][n], bs[1][n], acc[n]),)
+            out = out + (_mma(ap, bs[0][n], bs[1][n], acc[n]),)
         acc = out
     return acc
 
 
 @gluon.jit
-def _pv_prot(acc, pa, prot, r0, L, w, g, c, SINK: gl.constexpr, RECENT: gl.constexpr):
+def _hmul2(a, b):
+    """bf16x2 product, rounded to nearest even."""
+    return gl.inline_asm_elementwise("{\n.reg .b32 nz;\nmov.b32 nz, 0x80008000;\nfma.rn.bf16x2 $0, $1, $2, nz;\n}", "=r,r,r", [a, b], dtype=gl.int32,
+                                     is_pure=True, pack=1)  # fmt: skip
+
+
+@gluon.jit
+def _pv_prot(acc, pa, prot, r0, L, gi3, w3, g3, c3, SINK: gl.constexpr, RECENT: gl.constexpr):
     """P·V for the 64 protected BF16 rows from ``r0`` of the protection buffer at ``prot``."""
     for kb in gl.static_range(4):
         bs = ()
         for e in gl.static_range(2):
             v = ()
             for d in gl.static_range(2):
-                r = r0 + 16 * kb + 8 * e + 2 * c + d
+                r = r0 + 16 * kb + 8 * e + 2 * c3 + d
                 ok = _prot_valid(r, L, SINK, RECENT)
-                ptr = (prot + r * 576 + 64 * w + 8 * g).to(gl.pointer_type(gl.int64))
+                ptr = (prot + r * 576 + 64 * (2 * w3 + gi3) + 8 * g3).to(gl.pointer_type(gl.int64))
                 x0 = gl.load(ptr, mask=ok, other=0)
                 x1 = gl.load(ptr + 1, mask=ok, other=0)
                 v = v + ((x0.to(gl.int32), (x0 >> 32).to(gl.int32), x1.to(gl.int32), (x1 >> 32).to(gl.int32)),)
@@ -302,36 +336,38 @@ def _pv_prot(acc, pa, prot, r0, L, w, g, c, SINK: gl.constexpr, RECENT: gl.const
 
 @gluon.jit
 def _pick(x, i3, i: gl.constexpr):
-    """Register ``i`` along axis 0 of an int32 (regs, warp, lane) tensor, as (warp, lane)."""
-    return gl.sum(gl.where(i3 == i, x, 0), axis=0)
+    """Register ``i`` along axis 0 of an int32 (regs, warp, lane) tensor, as (1, warp, lane)."""
+    return gl.sum(gl.where(i3 == i, x, 0), axis=0)[None, :, :]
 
 
 @gluon.jit
 def _to_all(x, L3T: gl.constexpr):
-    """A per-thread value (warp, lane) as (source warp, 8 destination copies, lane) in ``L3T``."""
+    """A per-thread value (warp, lane) as (source warp, 4 destination copies, lane) in ``L3T``."""
     y = gl.convert_layout(x, gl.SliceLayout(1, L3T), assert_trivial=True)
-    return y[:, None, :] + gl.zeros([8, 8, 32], x.dtype, L3T)
+    return y[:, None, :] + gl.zeros([4, 4, 32], x.dtype, L3T)
 
 
 @gluon.jit
 def _exchange(acc_s, ok, m0, m1, l0, l1, qk_scale, sbuf, mbuf, pbuf, L3: gl.constexpr, L3T: gl.constexpr):
-    """Sum the eight warps' partial scores of n-block w (tokens 8w + 2c + d) in warp w, online
-    softmax (maxima shared across warps), and share P: returns the A fragments of the four
-    16-token k-blocks, the row rescales and the new row state. ``ok[d]``: token 8w + 2c + d is
-    attended to. ``acc_s``: the four C registers of the partial scores, (n-block, warp, lane)."""
+    """Sum the four warps' partial scores for this warp's 16 tokens, online softmax (maxima shared
+    across warps), and share P: returns the A fragments of the four k-blocks, the row rescales
+    and the new row state. ``ok[jj][d]``: token 16w + 8jj + 2c + d is attended to."""
     LW: gl.constexpr = gl.SliceLayout(0, L3)
-    # one buffer per stored tensor: the compiler puts a barrier between two stores into one buffer
     for creg in gl.static_range(4):
-        sbuf[creg].store(acc_s[creg])
+        for jj in gl.static_range(2):
+            sbuf[2 * creg + jj].store(acc_s[jj][creg])
     _barrier()
     x = ()
     for creg in gl.static_range(4):
-        v = gl.sum(sbuf[creg].load(L3T), axis=1)  # (this warp's n-block, lane)
-        v = gl.convert_layout(v, LW, assert_trivial=True)
-        x = x + (gl.where(ok[creg % 2], v * qk_scale, float("-inf")),)
-    # x[creg]: rows g (creg 0, 1) and g + 8 (creg 2, 3), tokens 8w + 2c + creg % 2
-    mbuf[0].store(_to_all(_quad(gl.maximum(x[0], x[1]), True), L3T))
-    mbuf[1].store(_to_all(_quad(gl.maximum(x[2], x[3]), True), L3T))
+        for jj in gl.static_range(2):
+            v = gl.sum(sbuf[2 * creg + jj].load(L3T), axis=1)  # (this warp's n-block, lane)
+            v = gl.convert_layout(v, LW, assert_trivial=True)
+            x = x + (gl.where(ok[jj * 2 + creg % 2], v * qk_scale, float("-inf")),)
+    # x[creg * 2 + jj]; rows g (creg 0, 1) and g + 8 (creg 2, 3)
+    mt0 = _quad(gl.maximum(gl.maximum(x[0], x[1]), gl.maximum(x[2], x[3])), True)
+    mt1 = _quad(gl.maximum(gl.maximum(x[4], x[5]), gl.maximum(x[6], x[7])), True)
+    mbuf[0].store(_to_all(mt0, L3T))
+    mbuf[1].store(_to_all(mt1, L3T))
     _barrier()
     mt0 = gl.max(mbuf[0].load(L3), axis=0)
     mt1 = gl.max(mbuf[1].load(L3), axis=0)
@@ -341,37 +377,41 @@ def _exchange(acc_s, ok, m0, m1, l0, l1, qk_scale, sbuf, mbuf, pbuf, L3: gl.cons
     u1 = gl.where(n1 == float("-inf"), 0.0, n1)
     alpha0 = gl.exp2(m0 - u0)
     alpha1 = gl.exp2(m1 - u1)
-    p0 = gl.exp2(x[0] - u0)
-    p1 = gl.exp2(x[1] - u0)
-    p2 = gl.exp2(x[2] - u1)
-    p3 = gl.exp2(x[3] - u1)
-    l0 = l0 * alpha0 + _quad(p0 + p1, False)
-    l1 = l1 * alpha1 + _quad(p2 + p3, False)
-    # this warp's n-block is half (w % 2) of k-block w // 2: rows g and g + 8
-    pbuf[0].store(_to_all(_pack(p0, p1), L3T))
-    pbuf[1].store(_to_all(_pack(p2, p3), L3T))
+    p = ()
+    for i in gl.static_range(8):
+        if i < 4:
+            p = p + (gl.exp2(x[i] - u0),)
+        else:
+            p = p + (gl.exp2(x[i] - u1),)
+    l0 = l0 * alpha0 + _quad(p[0] + p[1] + p[2] + p[3], False)
+    l1 = l1 * alpha1 + _quad(p[4] + p[5] + p[6] + p[7], False)
+    # A fragment of k-block w: (row g, k 2c..) = jj 0 of creg 0/1; (row g+8) creg 2/3; k + 8: jj 1
+    a = (_pack(p[0], p[2]), _pack(p[4], p[6]), _pack(p[1], p[3]), _pack(p[5], p[7]))
+    for ai in gl.static_range(4):
+        pbuf[ai].store(_to_all(a[ai], L3T))
     _barrier()
-    i3 = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))[:, None, None]
-    f0 = pbuf[0].load(L3)  # (source warp, warp, lane)
-    f1 = pbuf[1].load(L3)
+    kb3 = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))[:, None, None]
+    f = ()
+    for ai in gl.static_range(4):
+        f = f + (pbuf[ai].load(L3),)  # (k-block, warp, lane)
     pa = ()
     for kb in gl.static_range(4):
-        pa = pa + ((_pick(f0, i3, 2 * kb), _pick(f1, i3, 2 * kb), _pick(f0, i3, 2 * kb + 1),
-                    _pick(f1, i3, 2 * kb + 1)),)  # fmt: skip
+        pa = pa + ((_pick(f[0], kb3, kb), _pick(f[1], kb3, kb), _pick(f[2], kb3, kb), _pick(f[3], kb3, kb)),)
     return pa, alpha0, alpha1, n0, n1, l0, l1
 
 
 @gluon.jit
 def _own_ok(base, L, low_hi, w, c, PROT: gl.constexpr, SINK: gl.constexpr, RECENT: gl.constexpr):
-    """Whether each of warp w's tokens 8w + 2c + d (d = 0, 1) is attended to: page tokens
-    ``base + i`` with SINK <= token < low_hi, or protected rows ``base + i``."""
+    """Whether each of a warp's 16 tokens (16w + 8jj + 2c + d, in (jj, d) order) is attended to:
+    page tokens ``base + i`` with SINK <= token < low_hi, or protected rows ``base + i``."""
     ok = ()
-    for d in gl.static_range(2):
-        i = base + 8 * w + 2 * c + d
-        if PROT:
-            ok = ok + (_prot_valid(i, L, SINK, RECENT),)
-        else:
-            ok = ok + ((i >= SINK) & (i < low_hi),)
+    for jj in gl.static_range(2):
+        for d in gl.static_range(2):
+            i = base + 16 * w + 8 * jj + 2 * c + d
+            if PROT:
+                ok = ok + (_prot_valid(i, L, SINK, RECENT),)
+            else:
+                ok = ok + ((i >= SINK) & (i < low_hi),)
     return ok
 
 
@@ -380,7 +420,8 @@ def _rescale(acc, alpha0, alpha1):
     out = ()
     for n in gl.static_range(8):
         a = acc[n]
-        out = out + ((a[0] * alpha0, a[1] * alpha0, a[2] * alpha1, a[3] * alpha1),)
+        out = out + ((a[0] * alpha0[None, :, :], a[1] * alpha0[None, :, :], a[2] * alpha1[None, :, :],
+                      a[3] * alpha1[None, :, :]),)  # fmt: skip
     return out
 
 
@@ -392,51 +433,58 @@ def _h16_decode_kernel(Q, QPE, O, LSE, BT, LENS, PROT,
                        stride_ob, stride_oh, stride_os, stride_bt, tiles_per_split, qk_scale,
                        SINK: gl.constexpr, RECENT: gl.constexpr, SPLIT: gl.constexpr, ABL: gl.constexpr):  # fmt: skip
     BN: gl.constexpr = 64
-    L3: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 1, 32], [1, 8, 1], [2, 1, 0])  # (regs, warp, lane)
-    L3T: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 1, 32], [8, 1, 1], [2, 1, 0])  # (warp, regs, lane)
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 1, 32], [1, 4, 1], [2, 1, 0])
+    L3T: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 1, 32], [4, 1, 1], [2, 1, 0])  # (warp, regs, lane)
     LW: gl.constexpr = gl.SliceLayout(0, L3)
     S3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
-    sbuf = ()  # per c register: (n-block, source warp, lane)
-    for _i in gl.static_range(4):
-        sbuf = sbuf + (gl.allocate_shared_memory(gl.float32, [8, 8, 32], S3),)
-    mbuf = ()  # per row half: (source warp, dest warp, lane)
-    pbuf = ()
+    sbuf = ()  # one buffer per stored tensor: the compiler puts a barrier between two stores into one
+    for _i in gl.static_range(8):
+        sbuf = sbuf + (gl.allocate_shared_memory(gl.float32, [4, 4, 32], S3),)
+    mbuf = ()
     for _i in gl.static_range(2):
-        mbuf = mbuf + (gl.allocate_shared_memory(gl.float32, [8, 8, 32], S3),)
-        pbuf = pbuf + (gl.allocate_shared_memory(gl.int32, [8, 8, 32], S3),)
+        mbuf = mbuf + (gl.allocate_shared_memory(gl.float32, [4, 4, 32], S3),)
+    pbuf = ()
+    for _i in gl.static_range(4):
+        pbuf = pbuf + (gl.allocate_shared_memory(gl.int32, [4, 4, 32], S3),)
 
     pid_s = gl.program_id(0)
     b = gl.program_id(1).to(gl.int64)
     L = gl.load(LENS + b).to(gl.int32)
 
-    j3, w3, l3 = _idx3(8, L3)
+    jp3, w4, l4 = _idx3(4, L3)
+    g4 = l4 // 4
+    c4 = l4 % 4
+    gi3, w3, l3 = _idx3(2, L3)
     g3 = l3 // 4
     c3 = l3 % 4
-    wl = gl.arange(0, 8, layout=gl.SliceLayout(1, LW))[:, None]
+    wl = gl.arange(0, 4, layout=gl.SliceLayout(1, LW))[:, None]
     ll = gl.arange(0, 32, layout=gl.SliceLayout(0, LW))[None, :]
     gl_ = ll // 4
     cl = ll % 4
 
     qb = Q + b * stride_qb
     qa = ()
-    for kb in gl.static_range(4):
-        qa = qa + (_q_regs(qb, stride_qh, H, g3, c3, w3, kb),)
-    qr = _qr_regs(QPE + b * stride_rb, stride_rh, H, g3, c3, w3)
+    for gi in gl.static_range(2):
+        for kb in gl.static_range(4):
+            qa = qa + (_q_regs(qb, stride_qh, H, g4, c4, 2 * w4 + gi, kb),)
+    qr = _qr_regs(QPE + b * stride_rb, stride_rh, H, g4, c4, w4)
 
-    m0 = gl.full([8, 32], float("-inf"), gl.float32, LW)
+    m0 = gl.full([4, 32], float("-inf"), gl.float32, LW)
     m1 = m0
-    l0 = gl.zeros([8, 32], gl.float32, LW)
+    l0 = gl.zeros([4, 32], gl.float32, LW)
     l1 = l0
-    z = gl.zeros([8, 32], gl.float32, LW)
-    acc = ((z, z, z, z),) * 8
+    z3 = gl.zeros([2, 4, 32], gl.float32, L3)
+    acc = ((z3, z3, z3, z3),) * 8
 
     low_hi = L - RECENT
     n_tiles = gl.cdiv(gl.minimum(gl.maximum(low_hi, SINK), L), BN)
     t_lo = pid_s * tiles_per_split
     t_hi = gl.minimum(t_lo + tiles_per_split, n_tiles)
-    tok = 8 * j3 + g3  # page token of n-block j in the score product
+    tok0 = 16 * jp3 + g4  # page token of n-block 2·jp (score tiles run per jj: n-block 2·jp + jj)
     bt_row = BT + b * stride_bt
-    tid = wl * 32 + ll
+    tid = w3 * 32 + l3
+    wp = w3
+    lp = l3
     if t_lo < t_hi:
         _prefetch_page(CCodes + gl.load(bt_row + t_lo).to(gl.int64) * ps_ccodes, tid, ps_ccodes.to(gl.int32))
     for t in range(t_lo, t_hi):
@@ -444,21 +492,24 @@ def _h16_decode_kernel(Q, QPE, O, LSE, BT, LENS, PROT,
         nxt = gl.load(bt_row + gl.minimum(t + 1, t_hi - 1)).to(gl.int64)
         nxt2 = gl.load(bt_row + gl.minimum(t + 2, t_hi - 1)).to(gl.int64)
         _prefetch_page(CCodes + nxt2 * ps_ccodes, tid, ps_ccodes.to(gl.int32))
-        _prefetch(CCodes + nxt * ps_ccodes, wl, ll)
+        _prefetch(CCodes + nxt * ps_ccodes, wp, lp)
         ccodes = CCodes + page * ps_ccodes
         cscale = CScale + page * ps_cscale
         czero = CZero + page * ps_czero
         t0 = t * BN
-        if ABL == 3:  # ablation: no score product
-            acc_s = (gl.zeros([8, 8, 32], gl.float32, L3),) * 4
-        else:
-            acc_s = _score_tile(ccodes, cscale, czero, RCodes + page * ps_rcodes, RScale + page * ps_rscale,
-                                RZero + page * ps_rzero, tok, (t0 + tok >= SINK) & (t0 + tok < low_hi), w3, c3, qa,
-                                qr, L3)  # fmt: skip
+        acc_s = ()
+        for jj in gl.static_range(2):
+            tok = tok0 + 8 * jj
+            if ABL == 3:  # ablation: no score product
+                acc_s = acc_s + ((gl.zeros([4, 4, 32], gl.float32, L3),) * 4,)
+            else:
+                acc_s = acc_s + (_score_tile(ccodes, cscale, czero, RCodes + page * ps_rcodes,
+                                             RScale + page * ps_rscale, RZero + page * ps_rzero, 16 * jp3 + 8 * jj, g4,
+                                             (t0 + tok >= SINK) & (t0 + tok < low_hi), w4, c4, qa, qr, L3),)  # fmt: skip
         ok = _own_ok(t0, L, low_hi, wl, cl, False, SINK, RECENT)
         if ABL == 2:  # ablation: no exchange between warps (wrong results, timing only)
-            v = gl.sum(acc_s[0] + acc_s[1], axis=0)
-            a = _pack(v, v)
+            v = gl.convert_layout(gl.sum(acc_s[0][0] + acc_s[1][1], axis=0), LW, assert_trivial=True)
+            a = _pack(v, v)[None, :, :]
             pa = ((a, a, a, a),) * 4
             alpha0 = gl.exp2(v - m0)
             alpha1 = alpha0
@@ -468,20 +519,22 @@ def _h16_decode_kernel(Q, QPE, O, LSE, BT, LENS, PROT,
                                                            L3, L3T)  # fmt: skip
         if ABL != 1:  # ablation 1: no P·V
             acc = _rescale(acc, alpha0, alpha1)
-            acc = _pv_page(acc, pa, ccodes, cscale, czero, t0, low_hi, wl, gl_, cl, SINK)
+            acc = _pv_page(acc, pa, ccodes, cscale, czero, t0, low_hi, gi3, w3, g3, c3, SINK)
 
     if pid_s == gl.num_programs(0) - 1:  # the protected rows: sink and recent ring
         prot = PROT + b * stride_pb
         for r0 in range(0, SINK + RECENT, BN):
-            r = r0 + tok
-            acc_s = _score_prot(prot + r * 576, _prot_valid(r, L, SINK, RECENT), w3, c3, qa, qr, L3)
+            acc_s = ()
+            for jj in gl.static_range(2):
+                r = r0 + tok0 + 8 * jj
+                acc_s = acc_s + (_score_prot(prot + r * 576, _prot_valid(r, L, SINK, RECENT), w4, c4, qa, qr, L3),)
             ok = _own_ok(r0, L, low_hi, wl, cl, True, SINK, RECENT)
             pa, alpha0, alpha1, m0, m1, l0, l1 = _exchange(acc_s, ok, m0, m1, l0, l1, qk_scale, sbuf, mbuf, pbuf,
                                                            L3, L3T)  # fmt: skip
             acc = _rescale(acc, alpha0, alpha1)
-            acc = _pv_prot(acc, pa, prot, r0, L, wl, gl_, cl, SINK, RECENT)
+            acc = _pv_prot(acc, pa, prot, r0, L, gi3, w3, g3, c3, SINK, RECENT)
 
-    # each warp summed P over its own tokens: the row sums are the eight warps' together
+    # each warp summed P over its own tokens: the row sums are the four warps' together
     mbuf[0].store(_to_all(l0, L3T))
     mbuf[1].store(_to_all(l1, L3T))
     _barrier()
@@ -498,15 +551,15 @@ def _h16_decode_kernel(Q, QPE, O, LSE, BT, LENS, PROT,
         inv = 1.0 / gl.where(has, li, 1.0)
         head = gl_ + 8 * hh + 0 * wl
         lse = gl.where(has, (mi + gl.log2(gl.where(has, li, 1.0))) * 0.6931471805599453, float("-inf"))
-        first = (head < H) & (wl == 0) & (cl == 0)
         if SPLIT:
-            gl.store(LSE + (b * H + head) * gl.num_programs(0) + pid_s, lse, mask=first)
+            gl.store(LSE + (b * H + head) * gl.num_programs(0) + pid_s, lse, mask=(head < H) & (wl == 0) & (cl == 0))
         else:
-            gl.store(LSE + b * H + head, lse, mask=first)
-        o_base = O + b * stride_ob + head * stride_oh + pid_s * stride_os + 64 * wl
+            gl.store(LSE + b * H + head, lse, mask=(head < H) & (wl == 0) & (cl == 0))
+        h3 = g3 + 8 * hh
+        o_base = O + b * stride_ob + h3 * stride_oh + pid_s * stride_os + 64 * (2 * w3 + gi3)
         for n in gl.static_range(8):
             for d in gl.static_range(2):
-                gl.store(o_base + 8 * (2 * cl + d) + n, acc[n][2 * hh + d] * inv, mask=head < H)
+                gl.store(o_base + 8 * (2 * c3 + d) + n, acc[n][2 * hh + d] * inv[None, :, :], mask=h3 < H)
 
 
 def decode(

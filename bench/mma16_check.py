@@ -1,6 +1,6 @@
-"""Check and time the register-fed 16-head C4R4 decode prototype (``mma_decode16.py``) on the H200.
+"""Check and time the register-fed 16-head C4R4 decode (``quantmla/kernels/mma_decode.py``) on the H200.
 
-    python bench/prototypes/mma_check.py [--out bench/results]
+    python bench/mma16_check.py [--out bench/results]
 
 First against the float32 reference (ragged, short, split and 9-head cases; the bar is the one
 of a BF16 P, 1e-2, next to the Triton kernel's error with a BF16 P), then timed beside the
@@ -18,8 +18,8 @@ import functools
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench"), str(ROOT / "bench" / "prototypes")]
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 
 import importlib  # noqa: E402
 import os  # noqa: E402
@@ -33,14 +33,14 @@ from quantmla.kernels import reference as ref  # noqa: E402
 from quantmla.kernels import triton_decode  # noqa: E402
 from quantmla.kernels.layout import PageFormat  # noqa: E402
 
-# another variant of the prototype: MMA_MODULE=path/to/file.py (its folder goes on sys.path)
-_variant = Path(os.environ.get("MMA_MODULE", str(ROOT / "bench" / "prototypes" / "mma_decode16.py")))
+# a variant of the kernel: MMA_MODULE=path/to/file.py (its folder goes on sys.path)
+_variant = Path(os.environ.get("MMA_MODULE", str(ROOT / "quantmla" / "kernels" / "mma_decode.py")))
 sys.path.insert(0, str(_variant.parent))
-mma_decode16 = importlib.import_module(_variant.stem)
+mma_decode = importlib.import_module(_variant.stem)
 
 
 def run(layer, bt, lens, q, qp, tau, nsplit, max_len=None, out=None, maxnreg=None, ablate=0):
-    """The prototype through ``split_work`` and the Triton kernel's LSE merge."""
+    """The kernel through ``split_work`` and the Triton kernel's LSE merge (``ablate``, ``maxnreg``: timing only)."""
     B, H, _ = q.shape
     splits, per = triton_decode.split_work(layer, max_len or int(lens.max()), 64, nsplit)
     o, lse = out if out is not None else (torch.empty(B, H, 512, device=q.device), torch.empty(B, H, device=q.device))
@@ -48,7 +48,7 @@ def run(layer, bt, lens, q, qp, tau, nsplit, max_len=None, out=None, maxnreg=Non
         op, lsep = torch.empty(B, H, splits, 512, device=q.device), torch.empty(B, H, splits, device=q.device)
     else:
         op, lsep = o.unsqueeze(2), lse
-    mma_decode16.decode(layer, bt, lens, q, qp, op, lsep, tau, splits, per, maxnreg, ablate)
+    mma_decode.decode(layer, bt, lens, q, qp, op, lsep, tau, splits, per, maxnreg, ablate)
     if splits > 1:
         block_s = min(32, triton.next_power_of_2(splits))
         triton_decode._combine_kernel[(B * H, 8)](op, lsep, o, lse, splits, DC=512, BLOCK_S=block_s, BLOCK_D=64)
@@ -82,6 +82,9 @@ def bench(shapes, ablate_shape) -> list[dict]:
     for H, B, L in shapes:
         sh = Shape(H, B, L, gen, l2, formats={"c16r16": (16, 16), "c4r4": (4, 4)})
         row = dict(H=H, B=B, L=L, c16r16_ms=sh.time("c16r16", {}), c4r4_triton_ms=sh.time("c4r4", {}))
+        # the same precision as this kernel's: P as one BF16 tile (the 16-head default is the hi/lo pair)
+        row["c16r16_bf16_p_ms"] = sh.time("c16r16", dict(pv_split=False))
+        row["c4r4_triton_bf16_p_ms"] = sh.time("c4r4", dict(pv_split=False, mma16=False))
         layer, tables = sh.layers["c4r4"], sh.tables["c4r4"]
         s0 = triton_decode.default_config(B, H, L, layer.fmt, layer.pool.device, {})["num_splits"]
         out = (torch.empty(B, H, 512, device=DEV), torch.empty(B, H, device=DEV))
@@ -110,8 +113,9 @@ def bench(shapes, ablate_shape) -> list[dict]:
             ]
             row["c4r4_triton_one_page_ms"] = time_calls(calls)
         c16 = row["c16r16_ms"]
-        print(f"H={H} B={B} L={L}: c16r16 {c16:.4f} ms, c4r4 Triton {row['c4r4_triton_ms']:.4f} "
-              f"({c16 / row['c4r4_triton_ms']:.2f}x), c4r4 register-fed {row['c4r4_mma_ms']:.4f} "
+        print(f"H={H} B={B} L={L}: c16r16 {c16:.4f} ms (P in BF16 {row['c16r16_bf16_p_ms']:.4f}), "
+              f"c4r4 Triton {row['c4r4_triton_ms']:.4f} ({c16 / row['c4r4_triton_ms']:.2f}x; P in BF16 "
+              f"{row['c4r4_triton_bf16_p_ms']:.4f}), c4r4 register-fed {row['c4r4_mma_ms']:.4f} "
               f"({c16 / row['c4r4_mma_ms']:.2f}x, {best})", flush=True)  # fmt: skip
         if (H, B, L) == ablate_shape:
             print(
@@ -131,13 +135,13 @@ def main(argv=None):
     meta = run_meta(
         torch.cuda.get_device_properties(0),
         stamp,
-        "python bench/prototypes/mma_check.py" + (" --quick" if args.quick else ""),
+        "python bench/mma16_check.py" + (" --quick" if args.quick else ""),
     )
     print(meta, flush=True)
     meta["check"] = check()
     if not all(r["ok"] for r in meta["check"]):
         write_record(meta, "mma16", stamp, args.out)
-        raise SystemExit("the prototype misses the reference")
+        raise SystemExit("the register-fed kernel misses the reference")
     shapes = [(16, 32, 32768)] if args.quick else [(16, 32, 8192), (16, 32, 32768), (16, 1, 131072), (16, 128, 32768)]
     meta["rows"] = bench(shapes, (16, 32, 32768))
     write_record(meta, "mma16", stamp, args.out)
