@@ -241,23 +241,37 @@ def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs a Hopper GPU (Gluon has no interpreter)")
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernels need a Hopper GPU (Gluon has no interpreter)")
 @pytest.mark.parametrize(
-    "cb, H, splits", [(4, 128, None), (4, 128, 1), (4, 100, 3), (2, 128, None), (2, 100, 3)], ids=str
+    "cb, H, splits, extra, kernel",
+    [
+        (4, 128, None, {}, "gluon"),
+        (4, 128, 1, {}, "gluon"),
+        (4, 100, 3, {}, "gluon"),
+        (2, 128, None, {}, "gluon"),
+        (2, 100, 3, {}, "gluon"),
+        (4, 16, None, MMA16, "mma16"),
+        (4, 16, 1, MMA16, "mma16"),
+        (4, 16, 3, MMA16, "mma16"),
+        (4, 9, 2, MMA16, "mma16"),
+    ],
+    ids=str,
 )
-def test_gluon_decode_matches_reference(cb, H, splits):
-    """C4R4 and C2R4 above 16 heads run the Gluon kernel by default: ragged requests (shorter than
-    the protected rows, not page multiples, empty), one, three or the default number of splits;
-    every output written, within P's BF16 rounding of the float32 reference, LSE to 1e-3."""
+def test_gluon_decode_matches_reference(cb, H, splits, extra, kernel):
+    """C4R4 and C2R4 above 16 heads run the 64-head Gluon kernel by default; C4R4 at up to 16 heads
+    with P as one BF16 tile the register-fed one (here at any split length). Ragged requests
+    (shorter than the protected rows, not page multiples, empty), one to three or the default
+    number of splits; every output written, within P's BF16 rounding of the float32 reference,
+    LSE to 1e-3."""
     from quantmla.kernels.triton_decode import default_config, plan
 
     gen = torch.Generator().manual_seed(H + 7 * cb)
     lengths = [4000, 300, 70, 1, 0]
     layer, bt, lens, _, _ = filled_layer(PageFormat(cb, 4), lengths, gen)
     q, qp = _queries(len(lengths), H, gen)
-    cfg = {} if splits is None else dict(num_splits=splits)
+    cfg = dict(extra) if splits is None else dict(extra, num_splits=splits)
     full = default_config(len(lengths), H, 4000, layer.fmt, q.device, cfg)
-    assert plan(layer, H, full, q.device, 4000)[0] == "gluon"
+    assert plan(layer, H, full, q.device, 4000)[0] == kernel
     o_ref, lse_ref = ref.decode(layer, bt, lens, q, qp, 576**-0.5)
     out = _poisoned(len(lengths), H)
     o, lse = kernels.decode(layer, bt, lens, q, qp, 576**-0.5, "triton", cfg, out=out)
@@ -285,29 +299,6 @@ def test_gluon_kernel_applies_only_where_it_was_written_for():
     assert not uses_gluon(layer, 16, default_config(1, 16, 70, layer.fmt, dev, {}), dev, 8)
     for override in (dict(pv_split=True), dict(block_n=32), dict(gluon=False)):
         assert not uses_gluon(layer, 128, default_config(1, 128, 70, layer.fmt, dev, override), dev, 8), override
-
-
-@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs a Hopper GPU (Gluon has no interpreter)")
-@pytest.mark.parametrize("H, splits", [(16, None), (16, 1), (16, 3), (9, 2)], ids=str)
-def test_mma16_decode_matches_reference(H, splits):
-    """C4R4 at up to 16 heads with P as one BF16 tile runs the register-fed kernel (here at any split
-    length): ragged requests (shorter than the protected rows, not page multiples, empty), one,
-    two, three or the default number of splits; every output written, within P's BF16 rounding of
-    the float32 reference, LSE to 1e-3."""
-    from quantmla.kernels.triton_decode import default_config, plan
-
-    gen = torch.Generator().manual_seed(H + 3)
-    lengths = [4000, 300, 70, 1, 0]
-    layer, bt, lens, _, _ = filled_layer(PageFormat(4, 4), lengths, gen)
-    q, qp = _queries(len(lengths), H, gen)
-    cfg = dict(MMA16) if splits is None else dict(MMA16, num_splits=splits)
-    full = default_config(len(lengths), H, 4000, layer.fmt, q.device, cfg)
-    assert plan(layer, H, full, q.device, 4000)[0] == "mma16"
-    o_ref, lse_ref = ref.decode(layer, bt, lens, q, qp, 576**-0.5)
-    out = _poisoned(len(lengths), H)
-    o, lse = kernels.decode(layer, bt, lens, q, qp, 576**-0.5, "triton", cfg, out=out)
-    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
-    assert rel(o, o_ref) < 1e-2 and rel(lse, lse_ref) < TOL and same_inf(lse, lse_ref)
 
 
 def test_mma16_kernel_applies_only_where_it_was_written_for():

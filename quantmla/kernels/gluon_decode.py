@@ -525,15 +525,18 @@ def decode(layer, block_table, lengths, q, qpe, o, lse, tau: float, splits: int,
 
 
 def applies(layer, H: int, device) -> bool:
-    """Whether this kernel takes ``layer`` for ``H`` heads on ``device``: C4R4 or C2R4 in a BF16
-    cache, group 64, d_c 512, d_r 64, protection buffers on, more than 16 heads, a Hopper GPU."""
+    """Whether this kernel takes ``layer`` for ``H`` heads on ``device``: C4R4 or C2R4, more than 16
+    heads, in the page layout :func:`hopper_page` describes."""
+    return layer.fmt.content_bits in (2, 4) and H > 16 and hopper_page(layer, device)
+
+
+def hopper_page(layer, device) -> bool:
+    """The layer and device the Gluon decode kernels are written for: 4-bit RoPE codes in a BF16
+    cache, group 64, d_c 512, d_r 64, protection buffers on, a Hopper (sm_90) GPU."""
     fmt = layer.fmt
-    shape = (fmt.rope_bits, fmt.dtype, fmt.group, fmt.d_c, fmt.d_r)
     return (
-        fmt.content_bits in (2, 4)
-        and shape == (4, torch.bfloat16, 64, 512, 64)
+        (fmt.rope_bits, fmt.dtype, fmt.group, fmt.d_c, fmt.d_r) == (4, torch.bfloat16, 64, 512, 64)
         and layer.prot is not None
-        and H > 16
         and device.type == "cuda"
         and _sm90(device.index if device.index is not None else torch.cuda.current_device())
     )
@@ -544,4 +547,4 @@ def _sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
 
 
-__all__ = ["applies", "decode"]
+__all__ = ["applies", "decode", "hopper_page"]

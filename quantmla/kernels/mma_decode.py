@@ -46,14 +46,11 @@ each stage left out in turn (``ablate``, for timing only).
 
 from __future__ import annotations
 
-import functools
-
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from quantmla.kernels._tiles import region_args
-from quantmla.kernels.gluon_decode import _prot_valid
+from quantmla.kernels.gluon_decode import _prot_valid, hopper_page
 
 LOG2E = 1.4426950408889634
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
@@ -584,22 +581,9 @@ def decode(
 
 
 def applies(layer, H: int, device) -> bool:
-    """Whether this kernel takes ``layer`` for ``H`` heads on ``device``: C4R4 in a BF16 cache,
-    group 64, d_c 512, d_r 64, protection buffers on, at most 16 heads, a Hopper GPU."""
-    fmt = layer.fmt
-    shape = (fmt.content_bits, fmt.rope_bits, fmt.dtype, fmt.group, fmt.d_c, fmt.d_r)
-    return (
-        shape == (4, 4, torch.bfloat16, 64, 512, 64)
-        and layer.prot is not None
-        and H <= 16
-        and device.type == "cuda"
-        and _sm90(device.index if device.index is not None else torch.cuda.current_device())
-    )
-
-
-@functools.cache
-def _sm90(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) == (9, 0)
+    """Whether this kernel takes ``layer`` for ``H`` heads on ``device``: C4R4, at most 16 heads, in
+    the page layout :func:`.gluon_decode.hopper_page` describes."""
+    return layer.fmt.content_bits == 4 and H <= 16 and hopper_page(layer, device)
 
 
 __all__ = ["applies", "decode"]
