@@ -33,10 +33,12 @@ from quantmla.kernels import reference as ref  # noqa: E402
 from quantmla.kernels import triton_decode  # noqa: E402
 from quantmla.kernels.layout import PageFormat  # noqa: E402
 
-# a variant of the kernel: MMA_MODULE=path/to/file.py (its folder goes on sys.path)
-_variant = Path(os.environ.get("MMA_MODULE", str(ROOT / "quantmla" / "kernels" / "mma_decode.py")))
-sys.path.insert(0, str(_variant.parent))
-mma_decode = importlib.import_module(_variant.stem)
+if os.environ.get("MMA_MODULE"):  # a variant of the kernel: MMA_MODULE=path/to/file.py (its folder goes on sys.path)
+    _variant = Path(os.environ["MMA_MODULE"])
+    sys.path.insert(0, str(_variant.parent))
+    mma_decode = importlib.import_module(_variant.stem)
+else:
+    from quantmla.kernels import mma_decode
 
 
 def run(layer, bt, lens, q, qp, tau, nsplit, max_len=None, out=None, maxnreg=None, ablate=0):
