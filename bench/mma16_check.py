@@ -26,7 +26,6 @@ import os  # noqa: E402
 
 import kernels_helpers as kh  # noqa: E402
 import torch  # noqa: E402
-import triton  # noqa: E402
 from decode import DEV, TAU, Shape, run_meta, time_calls, write_record  # noqa: E402
 
 from quantmla.kernels import reference as ref  # noqa: E402
@@ -46,14 +45,9 @@ def run(layer, bt, lens, q, qp, tau, nsplit, max_len=None, out=None, maxnreg=Non
     B, H, _ = q.shape
     splits, per = triton_decode.split_work(layer, max_len or int(lens.max()), 64, nsplit)
     o, lse = out if out is not None else (torch.empty(B, H, 512, device=q.device), torch.empty(B, H, device=q.device))
-    if splits > 1:
-        op, lsep = torch.empty(B, H, splits, 512, device=q.device), torch.empty(B, H, splits, device=q.device)
-    else:
-        op, lsep = o.unsqueeze(2), lse
+    op, lsep = triton_decode.partials(o, lse, splits)
     mma_decode.decode(layer, bt, lens, q, qp, op, lsep, tau, splits, per, maxnreg, ablate)
-    if splits > 1:
-        block_s = min(32, triton.next_power_of_2(splits))
-        triton_decode._combine_kernel[(B * H, 8)](op, lsep, o, lse, splits, DC=512, BLOCK_S=block_s, BLOCK_D=64)
+    triton_decode.merge(op, lsep, o, lse)
     return o, lse
 
 

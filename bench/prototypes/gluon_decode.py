@@ -211,7 +211,7 @@ def _gluon_decode_kernel(Q, QPE, O, LSE, BT, LENS, PROT,
 
 def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, num_splits: int, max_len: int, pv_split: bool = True):
     """C4R4 BF16 decode through the prototype; returns (o, lse) like triton_decode.decode."""
-    from quantmla.kernels.triton_decode import _combine_kernel
+    from quantmla.kernels.triton_decode import merge, partials
 
     fmt = layer.fmt
     if (fmt.content_bits, fmt.rope_bits, fmt.dtype, fmt.group, fmt.d_c, fmt.d_r) != (4, 4, torch.bfloat16, 64, 512, 64):
@@ -231,8 +231,7 @@ def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, num_splits: int
     o = torch.empty(B, H, fmt.d_c, dtype=torch.float32, device=dev)
     lse = torch.empty(B, H, dtype=torch.float32, device=dev)
     split = splits > 1
-    op = torch.empty(B, H, splits, fmt.d_c, dtype=torch.float32, device=dev) if split else o.unsqueeze(2)
-    lsep = torch.empty(B, H, splits, dtype=torch.float32, device=dev) if split else lse
+    op, lsep = partials(o, lse, splits)
     prot = layer.prot
     c = region_args(layer, "C")
     r = region_args(layer, "R")
@@ -244,10 +243,7 @@ def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, num_splits: int
         op.stride(0), op.stride(1), op.stride(2), block_table.stride(0), per, tau * LOG2E,
         SINK=layer.sink, RECENT=layer.recent, SPLIT=split, PV_SPLIT=pv_split, num_warps=4,
     )  # fmt: skip
-    if split:
-        _combine_kernel[(B * H, fmt.d_c // 64)](
-            op, lsep, o, lse, splits, DC=fmt.d_c, BLOCK_S=min(32, triton.next_power_of_2(splits)), BLOCK_D=64
-        )
+    merge(op, lsep, o, lse)
     return o, lse
 
 

@@ -520,7 +520,7 @@ def plan(layer, H: int, cfg: dict, device, max_len: int) -> tuple[str, int, int]
         if uses_gluon(layer, H, cfg, device, per):
             return "gluon", splits, per
     splits, per = split_work(layer, max_len, cfg["block_n"], int(cfg["num_splits"]))
-    if H <= 16 and not cfg.get("pv_split", True) and uses_mma16(layer, H, cfg, device, per):
+    if uses_mma16(layer, H, cfg, device, per):
         return "mma16", splits, per
     return "triton", splits, per
 
@@ -543,21 +543,40 @@ def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | 
     lse = lse if lse is not None else torch.empty(B, H, dtype=torch.float32, device=dev)
     if B == 0:
         return o, lse
-    split = splits > 1
-    op = torch.empty(B, H, splits, fmt.d_c, dtype=torch.float32, device=dev) if split else o.unsqueeze(2)
-    lsep = torch.empty(B, H, splits, dtype=torch.float32, device=dev) if split else lse
+    op, lsep = partials(o, lse, splits)
     if kernel == "gluon":
         _gluon().decode(layer, block_table, lengths, q, qpe, op, lsep, tau, splits, per)
     elif kernel == "mma16":
         _mma16().decode(layer, block_table, lengths, q, qpe, op, lsep, tau, splits, per)
     else:
         _launch(layer, block_table, lengths, q, qpe, op, lsep, tau, cfg, splits, per)
-    if split:
-        block_d = min(64, fmt.d_c & -fmt.d_c)  # a power of two dividing d_c
-        _combine_kernel[(B * H, fmt.d_c // block_d)](
-            op, lsep, o, lse, splits, DC=fmt.d_c, BLOCK_S=min(32, triton.next_power_of_2(splits)), BLOCK_D=block_d
-        )
+    merge(op, lsep, o, lse)
     return o, lse
+
+
+def partials(o, lse, splits: int):
+    """Where the decode kernels write: float32 partial outputs (B, H, splits, d_c) and LSEs (B, H,
+    splits) for :func:`merge` when ``splits > 1``, else the outputs ``o`` (B, H, d_c) and ``lse``
+    (B, H) themselves, viewed (B, H, 1, d_c) and (B, H)."""
+    if splits == 1:
+        return o.unsqueeze(2), lse
+    B, H, d_c = o.shape
+    return (
+        torch.empty(B, H, splits, d_c, dtype=torch.float32, device=o.device),
+        torch.empty(B, H, splits, dtype=torch.float32, device=o.device),
+    )
+
+
+def merge(op, lsep, o, lse) -> None:
+    """Combine the splits of :func:`partials` into ``o`` and ``lse`` by their LSEs (nothing to do
+    for one split)."""
+    B, H, splits, d_c = op.shape
+    if splits == 1:
+        return
+    block_d = min(64, d_c & -d_c)  # a power of two dividing d_c
+    _combine_kernel[(B * H, d_c // block_d)](
+        op, lsep, o, lse, splits, DC=d_c, BLOCK_S=min(32, triton.next_power_of_2(splits)), BLOCK_D=block_d
+    )
 
 
 def _launch(layer, block_table, lengths, q, qpe, op, lsep, tau, cfg, splits, per):
@@ -617,4 +636,4 @@ def _launch(layer, block_table, lengths, q, qpe, op, lsep, tau, cfg, splits, per
     )
 
 
-__all__ = ["decode", "default_config", "plan", "split_work", "uses_gluon", "uses_mma16"]
+__all__ = ["decode", "default_config", "merge", "partials", "plan", "split_work", "uses_gluon", "uses_mma16"]
