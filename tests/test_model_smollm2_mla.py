@@ -12,7 +12,7 @@ import os
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from quantmla.models import ModelUnavailable
 from quantmla.models import smollm2_mla as S
@@ -163,6 +163,18 @@ def test_build_loads_natively_offline(built):
     )
     assert c.kv_lora_rank % 64 == 0 and 256 <= c.kv_lora_rank <= 512
     assert len(tok) == c.vocab_size == 49152
+
+
+def test_spec_config_without_building_is_the_built_config(built, tmp_path, monkeypatch):
+    monkeypatch.setenv("QUANTMLA_CACHE", str(tmp_path / "cache"))
+    spec_config = EmbeddedModel().hf_config()  # what a sweep validates against, before any build
+    assert not (tmp_path / "cache").exists()
+    folder, _ = built
+    on_disk = AutoConfig.from_pretrained(folder, local_files_only=True).to_dict()
+    ignore = {"transformers_version", "architectures", "dtype", "torch_dtype", "_name_or_path"}
+    assert {k: v for k, v in spec_config.to_dict().items() if k not in ignore} == {
+        k: v for k, v in on_disk.items() if k not in ignore
+    }
 
 
 def test_logit_fingerprint_and_greedy_generation(built, loaded):

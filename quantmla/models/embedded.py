@@ -3,7 +3,8 @@
 ``load`` builds the model folder on first use (:mod:`quantmla.models.build`, under the
 quantmla cache: ``$QUANTMLA_CACHE`` or ``~/.cache/quantmla``, keyed by the stored file's
 hash) and loads it offline like any local checkpoint. ``check`` reads only the stored
-file's header, so a sweep validates without building anything.
+file's header and ``hf_config`` only the GGUF's metadata, so a sweep validates without
+building anything.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ class EmbeddedModel:
         except (ValueError, FileNotFoundError) as e:
             raise ModelUnavailable(f"model '{self.name}': {e}") from None
 
-    def check(self) -> tuple[int, int]:
+    def _header(self) -> tuple[int, int, bool]:
+        """(d_c, d_R, whether K has a bias) from the stored file's header; checks the package is there."""
         from safetensors import safe_open
 
         from quantmla.data import DataUnavailable
@@ -41,7 +43,12 @@ class EmbeddedModel:
         with safe_open(str(path), "pt") as f:
             d_c = f.get_slice("layers.0.kv_a_layernorm.weight").get_shape()[0]
             rows = f.get_slice("layers.0.kv_a_proj_with_mqa.weight").get_shape()[0]
-        return int(d_c), int(rows - d_c)
+            bias = "layers.0.kv_a_proj_with_mqa.bias" in f.keys()
+        return int(d_c), int(rows - d_c), bias
+
+    def check(self) -> tuple[int, int]:
+        d_c, d_r, _ = self._header()
+        return d_c, d_r
 
     def folder(self):
         from quantmla.models.build import build
@@ -50,7 +57,11 @@ class EmbeddedModel:
         return build(self.model)
 
     def hf_config(self):
-        return PretrainedModel(name=self.name, path=str(self.folder())).hf_config()
+        """The config the build will write, from the GGUF's metadata and the stored header (no build)."""
+        from quantmla.models import smollm2_mla as S
+
+        d_c, _, bias = self._header()
+        return S.mla_config(S.source_config(), d_c, attention_bias=bias)
 
     def load(self, device: str = "auto"):
         return PretrainedModel(name=self.name, path=str(self.folder()), dtype=self.dtype).load(device)

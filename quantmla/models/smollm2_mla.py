@@ -59,14 +59,21 @@ def load_source(dtype: torch.dtype = torch.float32, gguf: str | None = None):
     return model.eval(), tok
 
 
+def source_config(gguf: str | None = None):
+    """The Llama config of the installed GGUF (or ``gguf``), read without converting any weights."""
+    from transformers import AutoConfig
+
+    d, name = (gguf_dir(), GGUF_FILE) if gguf is None else (Path(gguf).parent, Path(gguf).name)
+    return AutoConfig.from_pretrained(d, gguf_file=name, local_files_only=True)
+
+
 def latent_features(config) -> int:
     """Channels of the exact latent: (G - 1) NoPE key components of 64 + G value heads of 64."""
     return (2 * config.num_key_value_heads - 1) * config.head_dim
 
 
-def mla_config(src, d_c: int = 384, attention_bias: bool = True) -> DeepseekV2Config:
-    """The DeepseekV2 config of the converted model (every layer dense, no q-LoRA)."""
-    c = src.config
+def mla_config(c, d_c: int = 384, attention_bias: bool = True) -> DeepseekV2Config:
+    """The DeepseekV2 config converted from the Llama config ``c`` (every layer dense, no q-LoRA)."""
     head = c.head_dim
     if head != D_R:
         raise ValueError(f"expected head dim {D_R}, got {head}")
@@ -189,7 +196,7 @@ def convert(
     src, A: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | None, d_c: int = 384
 ) -> DeepseekV2ForCausalLM:
     """The MLA model from the Llama model ``src``, the mixings A (L, 32, G, G), γ (L,) and bias (L,) or None."""
-    cfg = mla_config(src, d_c, attention_bias=bias is not None)
+    cfg = mla_config(src.config, d_c, attention_bias=bias is not None)
     model = DeepseekV2ForCausalLM(cfg)
     sd = {name: t.detach().float() for name, t in src.state_dict().items() if ".self_attn." not in name}
     for i, layer in enumerate(src.model.layers):
