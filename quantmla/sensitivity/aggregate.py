@@ -7,7 +7,9 @@ model's content and RoPE responses are the means of R̄_C and R̄_P over layers,
 ratio is RoPE response / content response (not the mean of r_ℓ).
 
 The predictive check (spec §2.5) compares the frozen predictor
-log(G_P/G_C) ≈ log(T_P/T_C) + log(A_P/A_C) + γ with the measured gain ratio.
+log(G_P/G_C) ≈ log(T_P/T_C) + log(A_P/A_C) + γ with the measured gain ratio. The controlled
+interventions (Table 6) are summarised per control and path as the geometric mean of the
+gain ratios over every point and draw.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from statistics import fmean, median
+
+from quantmla.sensitivity.interventions import CONTROLS, geometric_mean
 
 GAMMA = -0.0749614410
 """The predictor's offset, fitted by the paper on DeepSeek-V2-Lite and frozen (spec Eq. 20)."""
@@ -125,4 +129,24 @@ def predictor_check(points: list[dict], gamma: float = GAMMA) -> dict:
     for b in "CP":
         lg = [abs(math.log(p[f"nmse_pred_{b}"] / p[f"nmse_out_{b}"])) for p in ok if p[f"nmse_out_{b}"] > 0]
         out[f"nmse_pred_median_abs_log_error_{b}"] = median(lg) if lg else math.nan
+    return out
+
+
+def intervention_summary(points: list[dict]) -> dict:
+    """Table 6 over the points that carry interventions (``iv_G_b`` and ``iv_<control>_b``).
+
+    ``<control>_<b>``: the geometric-mean gain ratio over all points and draws (every point has
+    the same number of draws, so this is the geometric mean of the points' own geometric
+    means). ``permute_median_rise_<b>``: the median over points of the permuted gain
+    (G · its geometric-mean ratio) over the median of the original gains.
+    """
+    ok = [p for p in points if all(f"iv_{k}_{b}" in p for k in ("G", *CONTROLS) for b in "CP")]
+    out: dict = {"points": len(ok)}
+    if not ok:
+        return out
+    for b in "CP":
+        for k in CONTROLS:
+            out[f"{k}_{b}"] = geometric_mean(p[f"iv_{k}_{b}"] for p in ok)
+        G = [p[f"iv_G_{b}"] for p in ok]
+        out[f"permute_median_rise_{b}"] = median(g * p[f"iv_permute_{b}"] for g, p in zip(G, ok)) / median(G)
     return out

@@ -19,6 +19,7 @@ from torch import nn
 from quantmla.attention import LatentAttention, latent_layers, layer_output
 from quantmla.cache import CacheSpec
 from quantmla.mla import supported_classes
+from quantmla.sensitivity.interventions import CONTROLS, gain_ratios, geometric_mean
 from quantmla.sensitivity.local import decompose, nmse, rescale, sq
 
 PATHS = ("C", "P")
@@ -142,3 +143,18 @@ class LayerProbe:
             "nmse_out": sq(dy) / sq(self.Y),
             "nmse_pred": nc * energy * d.G,
         }
+
+    def interventions(
+        self,
+        path: str,
+        target: float,
+        reps: int,
+        bits: int = 4,
+        group: int = 64,
+        generator: torch.Generator | None = None,
+    ) -> dict:
+        """Spec §2.5 (Table 6) at cache NMSE ``target``: the original error's JVP gain ``iv_G`` and,
+        per control, the geometric mean over ``reps`` draws of the gain ratio (``iv_<control>``)."""
+        e = self.matched_error(path, target, bits, group)
+        r = gain_ratios(self.fn(path), self.cache[path], e, reps, generator or torch.Generator().manual_seed(0))
+        return {"iv_G": r["G"]} | {f"iv_{k}": geometric_mean(r[k]) for k in CONTROLS}
