@@ -19,6 +19,8 @@ the real tokens (padding only); anything else raises.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
@@ -153,8 +155,18 @@ def uninstall(model: nn.Module) -> None:
                 setattr(parent, name, child.original)
 
 
+def cache_keyword(model: nn.Module) -> str:
+    """The keyword ``model.generate`` takes a prebuilt cache under: ``cache`` where the generation
+    loop speaks of ``cache`` (transformers 5.24, which deprecates ``past_key_values`` in
+    ``generate``), ``past_key_values`` before (5.17). ``generate`` takes it through ``**kwargs``;
+    the loop's ``prepare_inputs_for_generation`` names it."""
+    params = inspect.signature(model.prepare_inputs_for_generation).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
 def new_cache(model: nn.Module, batch_size: int = 1, max_length: int | None = None):
-    """A fresh cache for generation through the harness's attention (pass as ``past_key_values``).
+    """A fresh cache for generation through the harness's attention
+    (``model.generate(ids, **{cache_keyword(model): new_cache(model, ...)})``).
 
     With layers installed by :func:`install` it is the paged latent cache of the core (packed pages,
     fused writer, decode kernel); ``max_length`` sizes its page pool (it grows if needed).

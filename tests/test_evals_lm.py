@@ -5,6 +5,8 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 
+import warnings  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
@@ -81,9 +83,15 @@ def test_generation_uses_the_harness_cache_and_matches_stepwise_decoding():
 
     h = layer.register_forward_pre_hook(count, with_kwargs=True)
     try:
-        (out,) = lm.generate_until([Instance("generate_until", {}, (prompt, {"until": [], "max_gen_toks": n_new}), 0)])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            (out,) = lm.generate_until(
+                [Instance("generate_until", {}, (prompt, {"until": [], "max_gen_toks": n_new}), 0)]
+            )
     finally:
         h.remove()
+    # the cache goes in under the keyword this transformers takes (no deprecation notice)
+    assert not [w for w in caught if "past_key_values" in str(w.message)]
     assert sum(1 for n, cached in decode_steps if n == 1 and cached) == n_new - 1
 
     ids = tok(prompt, return_tensors="pt").input_ids

@@ -46,7 +46,8 @@ class QuantMLALM(HFLM):
 
     def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs):
         cache = attention.new_cache(self.model, batch_size=context.shape[0], max_length=max_length)
-        return super()._model_generate(context, max_length, stop, past_key_values=cache, **generation_kwargs)
+        generation_kwargs[attention.cache_keyword(self.model)] = cache
+        return super()._model_generate(context, max_length, stop, **generation_kwargs)
 
 
 def language_model(model, tokenizer, batch_size: int = 1, max_length: int | None = None, **kwargs) -> HFLM:
