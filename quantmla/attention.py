@@ -156,11 +156,13 @@ def uninstall(model: nn.Module) -> None:
 
 
 def cache_keyword(model: nn.Module) -> str:
-    """The keyword ``model.generate`` takes a prebuilt cache under: ``cache`` where the generation
-    loop speaks of ``cache`` (transformers 5.24, which deprecates ``past_key_values`` in
-    ``generate``), ``past_key_values`` before (5.17). ``generate`` takes it through ``**kwargs``;
-    the loop's ``prepare_inputs_for_generation`` names it."""
-    params = inspect.signature(model.prepare_inputs_for_generation).parameters
+    """The keyword ``model.generate`` takes a prebuilt cache under: ``cache`` where transformers'
+    generation loop names it so (5.24, which deprecates ``past_key_values`` in ``generate``),
+    ``past_key_values`` before (5.17). Read from the library's ``GenerationMixin``, not from the
+    model, whose own ``prepare_inputs_for_generation`` may take ``**kwargs``."""
+    from transformers.generation.utils import GenerationMixin
+
+    params = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 

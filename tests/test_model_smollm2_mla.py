@@ -133,6 +133,29 @@ def test_spec_checks_without_building_and_names_the_missing_package(monkeypatch)
         EmbeddedModel().check()
 
 
+def test_a_build_waits_for_one_in_progress_and_takes_its_folder(tmp_path):
+    import threading
+    import time
+
+    from filelock import FileLock
+
+    class NoSource:  # building again would unpack the source: fail loudly instead
+        def __iter__(self):
+            raise AssertionError("a second build ran while the first held the lock")
+
+    out = tmp_path / "model"
+    result = {}
+    with FileLock(str(tmp_path / "model.lock")):  # another process is building
+        t = threading.Thread(target=lambda: result.update(path=build("smollm2-mla", out, source=NoSource())))
+        t.start()
+        time.sleep(1.0)
+        assert t.is_alive()  # waiting for the lock, not building
+        out.mkdir()
+        (out / "BUILD.json").write_text("{}")  # the other build completes
+    t.join(timeout=60)
+    assert not t.is_alive() and result["path"] == out
+
+
 # ----- the real model -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):

@@ -95,3 +95,37 @@ def test_table6_experiment_is_the_papers_protocol():
     assert cfg.model.name == "deepseek_v2_lite" and list(e.layers) == [20] and list(e.local_layers) == [20]
     assert len(e.datasets) * len(e.seeds) * e.sequences == 4  # {WikiText, C4} × 2 seeds
     assert e.local_target_nmse == 1e-3 and e.interventions == 32 and e.seq_len == 512
+
+
+def test_paper_numbers_stand_only_beside_runs_of_the_papers_protocol():
+    from analysis.sensitivity import intervention_table, model_table
+
+    iv = {f"{k}_{b}": 2.0 for k in ("sign", "permute", "isotropic") for b in "CP"} | {"points": 1, "draws": 4}
+
+    def run(layers, target, local_layer, local_target):
+        return {
+            "label": "deepseek_v2_lite",
+            "model": "deepseek_v2_lite",
+            "config": {"eval": {"layers": layers, "target_nmse": target, "local_target_nmse": local_target}},
+            "metrics": {
+                "layers": 1,
+                "cells": ["wiki/0"],
+                "content_response": 1.0,
+                "rope_response": 2.0,
+                "ratio": 2.0,
+                "layer_ratio_median": 2.0,
+                "layers_rope_above_content": 1,
+                "local_points": [{"layer": local_layer}],
+                "interventions": iv,
+            },
+        }
+
+    paper = run(None, 0.01, 20, 1e-3)
+    assert model_table([paper])["paper ratio"].iloc[0] == 6.331
+    assert intervention_table([paper])["paper content"].tolist() == [1.048, 5.918, 6.007]
+    for other in (run([20], 0.01, 20, 1e-3), run(None, 0.001, 20, 1e-3)):  # not every layer, or another NMSE
+        assert math.isnan(model_table([other])["paper ratio"].iloc[0])
+    for other in (run(None, 0.01, 5, 1e-3), run(None, 0.01, 20, 1e-2)):  # another layer, or another NMSE
+        t = intervention_table([other])
+        assert t["paper content"].isna().all() and t["content"].tolist() == [2.0] * 3
+        assert t["layers"].iloc[0] == str(other["metrics"]["local_points"][0]["layer"])

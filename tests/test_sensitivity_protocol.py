@@ -200,9 +200,13 @@ def test_eval_interventions_at_the_local_points(tiny):
         for b in "CP":
             want = math.exp(sum(math.log(p[f"iv_{k}_{b}"]) for p in pts) / 2)
             assert m["interventions"][f"{k}_{b}"] == pytest.approx(want)
-    assert "interventions" not in Sensitivity(seeds=[0], sequences=1, seq_len=48, layers=[1], probes=4).run(
+    plain = Sensitivity(seeds=[0], sequences=1, seq_len=48, layers=[1], local_layers=[1], probes=4).run(
         model, tok, EvalContext(progress=False)
     )
+    assert "interventions" not in plain
+    # the interventions draw from their own stream: the probes' statistics (Table 5) are unchanged
+    for p, q in zip(pts, plain["local_points"]):
+        assert all(p[f"{k}_{b}"] == q[f"{k}_{b}"] for k in ("T", "A", "O", "G") for b in "CP")
 
 
 # ------------------------------------------------------------------------------------- bad input

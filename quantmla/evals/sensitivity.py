@@ -141,6 +141,8 @@ class Sensitivity(Eval):
         device = next(model.parameters()).device
         dtype = DTYPES[self.dtype]
         gen = torch.Generator().manual_seed(self.probe_seed)
+        # the interventions draw from their own stream, so turning them on leaves the probes (Table 5) as they were
+        iv_gen = torch.Generator().manual_seed(self.probe_seed + 1)
         records, points = [], []
         saved = [layer.spec for layer in layers]
         bar = tqdm(total=len(cells) * len(chosen), desc="sensitivity", unit="layer", disable=not ctx.progress)
@@ -181,7 +183,7 @@ class Sensitivity(Eval):
                                     pt |= {f"{k}_{b}": v for k, v in lp.items()}
                                     if self.interventions:
                                         iv = probe.interventions(
-                                            b, self.local_target_nmse, self.interventions, self.bits, self.group, gen
+                                            b, self.local_target_nmse, self.interventions, self.bits, self.group, iv_gen
                                         )
                                         pt |= {f"{k}_{b}": v for k, v in iv.items()}
                                 points.append(pt)

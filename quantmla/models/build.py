@@ -54,7 +54,8 @@ def assemble(src, stored: dict[str, torch.Tensor]):
     has_bias = "layers.0.kv_a_proj_with_mqa.bias" in stored
     gamma = torch.ones(L)  # overwritten below
     bias = torch.ones(L) if has_bias else None
-    model = S.convert(src, A, gamma, bias)
+    d_c = stored["layers.0.kv_a_layernorm.weight"].shape[0]  # the stored header's width, as EmbeddedModel reads it
+    model = S.convert(src, A, gamma, bias, d_c=d_c)
     for i, layer in enumerate(model.model.layers):
         a, p = layer.self_attn, f"layers.{i}."
         a.kv_a_proj_with_mqa.weight.copy_(stored[p + "kv_a_proj_with_mqa.weight"].float())
@@ -73,14 +74,24 @@ def build(name: str = "smollm2-mla", out: Path | None = None, force: bool = Fals
 
     ``source``: an already loaded (Llama model, tokenizer) from :func:`smollm2_mla.load_source`.
     """
-    from safetensors import safe_open
-    from safetensors.torch import load_file
+    from filelock import FileLock
 
     stored_path = stored_file(name)
     S.gguf_dir()  # a clear error before anything heavy when the package is missing
     out = Path(out) if out else cache_root() / f"{name}-{fingerprint(stored_path)}"
     if (out / "BUILD.json").exists() and not force:
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out.with_name(out.name + ".lock"))):  # parallel jobs or test workers: one builds, the rest wait
+        if (out / "BUILD.json").exists() and not force:
+            return out
+        return _build(name, stored_path, out, source)
+
+
+def _build(name: str, stored_path: Path, out: Path, source) -> Path:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
     if out.exists() and any(out.iterdir()) and not (out / "BUILD.json").exists():
         raise FileExistsError(f"{out} exists and is not a model build folder; choose another --out")
     t0 = time.time()

@@ -6,8 +6,10 @@ transformers' GGUF loader). Per layer, its 3 key/value heads of 64 channels beco
 - ``K_P`` (d_r = 64): per RoPE frequency i, the 3 heads' key pairs are mixed by an
   orthogonal 3×3 matrix ``U[i]`` (it commutes with RoPE, which rotates every head's pair
   i by the same angle); the first mixed component keeps RoPE and becomes the shared key.
-- ``C`` (d_c = 320): the two other mixed components (2 × 64 = 128 channels, now without
-  RoPE: the one lossy step) and the three value heads (192 channels), exactly.
+- ``C`` (d_c = 384): 320 exact features, the two other mixed components (2 × 64 = 128
+  channels, now without RoPE: the one lossy step) and the three value heads (192 channels),
+  plus one 64-channel norm group (a constant bias that steadies the RMS norm; Γ = 0 there,
+  so it is zero in the cache).
 - ``kv_b_proj`` maps C back to every query head's 64-d NoPE key and 64-d value;
   ``q_proj`` holds each head's query twice (NoPE half as is, RoPE half scaled by its
   group's coefficient in ``U[i][0]``), times √2 for DeepseekV2's 1/√128 softmax scale.
