@@ -255,7 +255,11 @@ def figure_atlas(runs: list[dict], path: Path) -> Path:
         im = ax.imshow(np.ma.masked_invalid(maps[k]), aspect="auto", cmap=cmap, norm=norm, interpolation="nearest")
         ax.set_yticks(range(n), [r["label"] for r in runs], fontsize=8)
         ax.set_title(title, fontsize=10)
-        fig.colorbar(im, ax=ax, pad=0.01)
+        cb = fig.colorbar(im, ax=ax, pad=0.01)
+        cb.ax.yaxis.set_minor_formatter(NullFormatter())  # minor labels of a log bar collide
+        if k == "ratio":  # powers of two read better than decades for a ratio
+            ticks = [2.0**i for i in range(-8, 9) if norm.vmin <= 2.0**i <= norm.vmax]
+            cb.set_ticks(ticks, labels=[f"{t:g}" for t in ticks])
     axs[-1].set_xlabel("layer")
     axs[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.savefig(path, dpi=130)
