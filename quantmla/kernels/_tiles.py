@@ -174,6 +174,8 @@ def _deq4_f32_ptx() -> str:
     return "{\n" + "\n".join(lines) + "\n}"
 
 
+# These blocks write outputs before their last input is read: dequant_bf16 declares the
+# outputs early-clobber ("=&r"), so no output is given an input's register.
 _DEQ4_ASM = tl.constexpr(_deq_bf16_ptx(2))
 _DEQ2_ASM = tl.constexpr(_deq_bf16_ptx(4))
 _DEQ4F_ASM = tl.constexpr(_deq4_f32_ptx())
@@ -203,7 +205,7 @@ def dequant_bf16(b, s, z, W: tl.constexpr, INTERP: tl.constexpr):
         if W == 4 and s.dtype == tl.float32:
             lo, hi = tl.inline_asm_elementwise(
                 _DEQ4F_ASM,
-                "=r,=r,=r,=r,r,r,r,r,r,r,r",
+                "=&r,=&r,=&r,=&r,r,r,r,r,r,r,r",
                 [b, s, nz],
                 dtype=(tl.bfloat16, tl.bfloat16),
                 is_pure=True,
@@ -212,13 +214,18 @@ def dequant_bf16(b, s, z, W: tl.constexpr, INTERP: tl.constexpr):
             return tl.interleave(lo, hi)
         elif W == 4:
             lo, hi = tl.inline_asm_elementwise(
-                _DEQ4_ASM, "=r,=r,=r,=r,r,r,r,r,r", [b, s, nz], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4
+                _DEQ4_ASM,
+                "=&r,=&r,=&r,=&r,r,r,r,r,r",
+                [b, s, nz],
+                dtype=(tl.bfloat16, tl.bfloat16),
+                is_pure=True,
+                pack=4,
             )
             return tl.interleave(lo, hi)
         else:
             p0, p1, p2, p3 = tl.inline_asm_elementwise(
                 _DEQ2_ASM,
-                "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r",
+                "=&r,=&r,=&r,=&r,=&r,=&r,=&r,=&r,r,r,r,r,r",
                 [b, s, nz],
                 dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
                 is_pure=True,

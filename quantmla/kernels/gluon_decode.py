@@ -101,10 +101,11 @@ _W2_BF16 = gl.constexpr(_word2_ptx())
 
 @gluon.jit
 def _dequant_words(w, s, nz, ASM: gl.constexpr, SC: gl.constexpr):
-    """int32 words (..., W) -> bf16 (..., W*8) in the permuted 8-block order."""
+    """int32 words (..., W) -> bf16 (..., W*8) in the permuted 8-block order. The outputs are
+    early-clobber ("=&h"), as in every multi-instruction block here: never an input's register."""
     o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
         ASM,
-        "=h,=h,=h,=h,=h,=h,=h,=h,r," + SC + ",h",
+        "=&h,=&h,=&h,=&h,=&h,=&h,=&h,=&h,r," + SC + ",h",
         [w, s, nz],
         dtype=(gl.bfloat16,) * 8,
         is_pure=True,
@@ -125,7 +126,7 @@ def _dequant_words2(w, s, nz):
     """int32 words of 2-bit codes (..., W) -> bf16 (..., W*16) in the permuted 16-block order."""
     o = gl.inline_asm_elementwise(
         _W2_BF16,
-        "=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,r,h,h",
+        "=&h,=&h,=&h,=&h,=&h,=&h,=&h,=&h,=&h,=&h,=&h,=&h,=&h,=&h,=&h,=&h,r,h,h",
         [w, s, nz],
         dtype=(gl.bfloat16,) * 16,
         is_pure=True,

@@ -64,6 +64,8 @@ _SHFL = gl.constexpr("shfl.sync.bfly.b32 $0, $1, $2, 0x1f, 0xffffffff;")
 
 # One code word of a token (8 channels, nibble k = channel k) -> four bf16x2 registers s·(q − z):
 # (ch0, ch2), (ch1, ch3), (ch4, ch6), (ch5, ch7). $4 word, $5 scale pair, $6 −(128 + z) pair.
+# This block and _PV_CODES write outputs before their last input is read, so their outputs are
+# early-clobber ("=&r"): never given an input's register.
 _SCORE_WORD = gl.constexpr(
     "{\n.reg .b32 t0, t1, u0, u1, one, nzero;\n"
     "mov.b32 one, 0x3f803f80;\nmov.b32 nzero, 0x80008000;\n"
@@ -223,7 +225,7 @@ def _score_tile(ccodes, cscale, czero, rcodes, rscale, rzero, jreg, g, ok, w, c,
         n2 = _pair(_nz(z), _nz(z))
         for half in gl.static_range(2):
             word = (x >> (32 * half)).to(gl.int32)
-            r = gl.inline_asm_elementwise(_SCORE_WORD, "=r,=r,=r,=r,r,r,r", [word, s2, n2], dtype=(gl.int32,) * 4,
+            r = gl.inline_asm_elementwise(_SCORE_WORD, "=&r,=&r,=&r,=&r,r,r,r", [word, s2, n2], dtype=(gl.int32,) * 4,
                                           is_pure=True, pack=1)  # fmt: skip
             acc = _mma(qa[gi * 4 + 2 * half], r[0], r[1], acc)
             acc = _mma(qa[gi * 4 + 2 * half + 1], r[2], r[3], acc)
@@ -284,7 +286,7 @@ def _pv_page(acc, pa, ccodes, cscale, czero, t0, low_hi, gi3, w3, g3, c3, SINK: 
                 ss = ss + (gl.where(gi3 == 0, sc, sc >> 16) & 0xFFFF,)
                 ns = ns + (_nz(gl.where(gi3 == 0, zz, zz >> 8) & 0xFF),)
             s2 = s2 + (_pair(ss[0], ss[1]),)
-            bs = bs + (gl.inline_asm_elementwise(_PV_CODES, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r",
+            bs = bs + (gl.inline_asm_elementwise(_PV_CODES, "=&r,=&r,=&r,=&r,=&r,=&r,=&r,=&r,r,r,r",
                                                  [ws[0], ws[1], _pair(ns[0], ns[1])],
                                                  dtype=(gl.int32,) * 8, is_pure=True, pack=1),)  # fmt: skip
         a = pa[kb]
