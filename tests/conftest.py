@@ -9,9 +9,36 @@ os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # Builds and eval mirrors go to a cache of this session, removed when it ends (a model build is
-# ~600 MB); a QUANTMLA_CACHE set by the caller is used as it is and kept.
-_SESSION_CACHE = None if "QUANTMLA_CACHE" in os.environ else tempfile.mkdtemp(prefix="quantmla-cache-")
-if _SESSION_CACHE:
+# ~600 MB); a QUANTMLA_CACHE set by the caller is used as it is and kept. The folder is named
+# after the session's process, so a later session removes it if that process was killed.
+CACHE_PREFIX = "quantmla-cache-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_caches(root: str) -> list[str]:
+    """Remove session caches under ``root`` whose process is gone; returns their names."""
+    gone = []
+    for name in os.listdir(root):
+        pid = name[len(CACHE_PREFIX) :].split("-")[0] if name.startswith(CACHE_PREFIX) else ""
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            gone.append(name)
+    return gone
+
+
+_SESSION_CACHE = None
+if "QUANTMLA_CACHE" not in os.environ:
+    remove_stale_caches(tempfile.gettempdir())
+    _SESSION_CACHE = tempfile.mkdtemp(prefix=f"{CACHE_PREFIX}{os.getpid()}-")
     os.environ["QUANTMLA_CACHE"] = _SESSION_CACHE
 
 

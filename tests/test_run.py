@@ -228,3 +228,16 @@ def test_sigterm_marks_the_run_interrupted(tmp_path):
     assert p.returncode != 0
     assert status.read_text().strip() == "interrupted"
     assert "Terminated" in (status.parent / "error.txt").read_text()
+
+
+def test_a_killed_sessions_cache_is_removed_by_the_next(tmp_path):
+    from conftest import CACHE_PREFIX, remove_stale_caches
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f"{CACHE_PREFIX}{int(dead.stdout)}-abc"
+    live = tmp_path / f"{CACHE_PREFIX}{os.getpid()}-def"
+    other = tmp_path / "quantmla-cache-notapid"
+    for d in (stale, live, other):
+        (d / "smollm2-mla-x").mkdir(parents=True)
+    assert remove_stale_caches(str(tmp_path)) == [stale.name]
+    assert not stale.exists() and live.exists() and other.exists()
