@@ -52,7 +52,7 @@ def build(layers: int, hidden: int, heads: int, vocab: int, seed: int = 0):
 def generate(model, ids, new: int, paged: bool):
     kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, attention_mask=torch.ones_like(ids))
     if paged:
-        kw[attention.cache_keyword(model)] = attention.new_cache(model, ids.shape[0], ids.shape[1] + new)
+        kw[attention.cache_keyword()] = attention.new_cache(model, ids.shape[0], ids.shape[1] + new)
     with torch.no_grad():
         return model.generate(ids, **kw)
 

@@ -155,10 +155,10 @@ def uninstall(model: nn.Module) -> None:
                 setattr(parent, name, child.original)
 
 
-def cache_keyword(model: nn.Module) -> str:
+def cache_keyword() -> str:
     """The keyword ``model.generate`` takes a prebuilt cache under: ``cache`` where transformers'
     generation loop names it so (5.24, which deprecates ``past_key_values`` in ``generate``),
-    ``past_key_values`` before (5.17). Read from the library's ``GenerationMixin``, not from the
+    ``past_key_values`` before (5.17). Read from the library's ``GenerationMixin``, not from a
     model, whose own ``prepare_inputs_for_generation`` may take ``**kwargs``."""
     from transformers.generation.utils import GenerationMixin
 
@@ -168,7 +168,7 @@ def cache_keyword(model: nn.Module) -> str:
 
 def new_cache(model: nn.Module, batch_size: int = 1, max_length: int | None = None):
     """A fresh cache for generation through the harness's attention
-    (``model.generate(ids, **{cache_keyword(model): new_cache(model, ...)})``).
+    (``model.generate(ids, **{cache_keyword(): new_cache(model, ...)})``).
 
     With layers installed by :func:`install` it is the paged latent cache of the core (packed pages,
     fused writer, decode kernel); ``max_length`` sizes its page pool (it grows if needed).

@@ -1,7 +1,7 @@
 """A transformers ``Cache`` over the paged latent cache, so ``model.generate`` runs through the core.
 
 Pass ``quantmla.attention.new_cache(model, batch, max_len)`` to ``generate`` (under the keyword
-``quantmla.attention.cache_keyword(model)`` names: ``cache`` or ``past_key_values``). Every
+``quantmla.attention.cache_keyword()`` names: ``cache`` or ``past_key_values``). Every
 :class:`~quantmla.attention.LatentAttention` layer then writes its new tokens with the fused
 writer and attends with the core:
 

@@ -65,7 +65,7 @@ def _ppl(model, tok):
 def _greedy(model, ids, cache=None, mask=None, new=64):
     kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, attention_mask=mask)
     if cache is not None:
-        kw[attention.cache_keyword(model)] = cache
+        kw[attention.cache_keyword()] = cache
     with torch.no_grad():
         return model.generate(ids, **kw)[:, ids.shape[1] :]
 

@@ -46,7 +46,7 @@ class QuantMLALM(HFLM):
 
     def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs):
         cache = attention.new_cache(self.model, batch_size=context.shape[0], max_length=max_length)
-        generation_kwargs[attention.cache_keyword(self.model)] = cache
+        generation_kwargs[attention.cache_keyword()] = cache
         return super()._model_generate(context, max_length, stop, **generation_kwargs)
 
 
