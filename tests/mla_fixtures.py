@@ -169,3 +169,15 @@ def planted_outliers(seed: int = 0, content_gain: float = 20.0, rope_gain: float
             a.kv_a_layernorm.weight.copy_(torch.exp(0.3 * torch.randn(d_c, generator=g)))
     layers = attention.install(model, CacheSpec())
     return model, tok, layers
+
+
+def small_layer_probe(tokens: int):
+    """A float64 LayerProbe of layer 1 of a small random DeepseekV2 on ``tokens`` random tokens:
+    small enough for exact Jacobians."""
+    from quantmla.sensitivity import LayerProbe, frozen_copy
+
+    model, _ = build(tiny_config(layers=2, hidden=64, heads=2, kv_lora_rank=64, qk_nope_head_dim=16, v_head_dim=16))
+    layers = attention.install(model, CacheSpec())
+    ids = torch.randint(3, 259, (1, tokens), generator=torch.Generator().manual_seed(0))
+    inp = attention.capture_inputs(model, ids)[1]
+    return LayerProbe(frozen_copy(layers[1], torch.float64), inp.x, inp.position_embeddings, inp.attention_mask)

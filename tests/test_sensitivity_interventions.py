@@ -72,16 +72,9 @@ def test_every_control_is_invisible_to_a_scaled_identity():
 # independent signs keep only the diagonal part, E G = T·A; an isotropic direction, E G = T.
 @pytest.fixture(scope="module")
 def small_probe():
-    from quantmla import attention
-    from quantmla.cache import CacheSpec
-    from quantmla.models.tiny import build, tiny_config
-    from quantmla.sensitivity import LayerProbe, frozen_copy
+    from mla_fixtures import small_layer_probe
 
-    model, _ = build(tiny_config(layers=2, hidden=64, heads=2, kv_lora_rank=64, qk_nope_head_dim=16, v_head_dim=16))
-    layers = attention.install(model, CacheSpec())
-    ids = torch.randint(3, 259, (1, 10), generator=gen(0))
-    inp = attention.capture_inputs(model, ids)[1]
-    return LayerProbe(frozen_copy(layers[1], F64), inp.x, inp.position_embeddings, inp.attention_mask)
+    return small_layer_probe(10)
 
 
 @pytest.mark.parametrize("path", ["C", "P"])

@@ -125,16 +125,9 @@ def test_rope_toy_against_hand_derivative(seed):
 # ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def small_probe():
-    from quantmla import attention
-    from quantmla.cache import CacheSpec
-    from quantmla.models.tiny import build, tiny_config
-    from quantmla.sensitivity import LayerProbe, frozen_copy
+    from mla_fixtures import small_layer_probe
 
-    model, _ = build(tiny_config(layers=2, hidden=64, heads=2, kv_lora_rank=64, qk_nope_head_dim=16, v_head_dim=16))
-    layers = attention.install(model, CacheSpec())
-    ids = torch.randint(3, 259, (1, 12), generator=torch.Generator().manual_seed(0))
-    inp = attention.capture_inputs(model, ids)[1]
-    return LayerProbe(frozen_copy(layers[1], torch.float64), inp.x, inp.position_embeddings, inp.attention_mask)
+    return small_layer_probe(12)
 
 
 @pytest.mark.parametrize("path", ["C", "P"])
