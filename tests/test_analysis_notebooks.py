@@ -10,7 +10,8 @@ from statistics import median
 import matplotlib
 import pytest
 
-NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "analysis" / "notebooks").glob("*.ipynb"))
+NOTEBOOK_DIR = Path(__file__).resolve().parents[1] / "analysis" / "notebooks"
+NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 
 
 def _load(path: Path) -> dict:
@@ -36,7 +37,7 @@ def run_notebook(path: Path) -> dict:
 
 
 def test_notebooks_are_there_and_stored_without_outputs():
-    assert [p.name for p in NOTEBOOKS] == ["dual_path_sensitivity.ipynb"]
+    assert [p.name for p in NOTEBOOKS] == ["dual_path_sensitivity.ipynb", "methods_on_caches.ipynb"]
     for path in NOTEBOOKS:
         nb = _load(path)
         for cell in nb["cells"]:
@@ -46,7 +47,7 @@ def test_notebooks_are_there_and_stored_without_outputs():
 
 
 def test_dual_path_sensitivity_notebook():
-    ns = run_notebook(NOTEBOOKS[0])
+    ns = run_notebook(NOTEBOOK_DIR / "dual_path_sensitivity.ipynb")
     assert ns["_figures"] == 4  # channels, responses, predictor, bits
     n = ns["n_layers"]
     assert n == 30 and len(ns["R_C"]) == len(ns["R_P"]) == n
@@ -92,3 +93,53 @@ def test_dual_path_sensitivity_notebook():
         for i in range(n):
             assert real[(b, 2)][i] > real[(b, 4)][i] > real[(b, 8)][i]
     assert median(ns["summed"]["C2R4"]) < median(ns["summed"]["C4R2"])
+
+
+def test_methods_on_caches_notebook():
+    ns = run_notebook(NOTEBOOK_DIR / "methods_on_caches.ipynb")
+    assert ns["_figures"] == 3  # objectives, cached channels, cache error against output error
+    scores, info, formats = ns["scores"], ns["info"], ns["FORMATS"]
+    base = ["SmoothQuant†", "QuaRot†", "QuantMLA"]
+
+    # Section 1: every method's transforms beat RTN on both paths; QuantMLA is far ahead on the
+    # content path; QuaRot† leads on the RoPE path and QuantMLA closes most of RTN's gap to it.
+    for bits in formats:
+        s = {n: scores[bits, n] for n in ["RTN", *base]}
+        for n in base:
+            assert s[n]["L_C"] < s["RTN"]["L_C"] and s[n]["L_P"] < s["RTN"]["L_P"], (bits, n)
+        assert s["QuantMLA"]["L_C"] < 0.75 * min(s["SmoothQuant†"]["L_C"], s["QuaRot†"]["L_C"])
+        assert min(s, key=lambda n: s[n]["L_P"]) == "QuaRot†"
+        closed = (s["RTN"]["L_P"] - s["QuantMLA"]["L_P"]) / (s["RTN"]["L_P"] - s["QuaRot†"]["L_P"])
+        assert closed > 0.5
+        # QuantMLA's content scale starts from the α that SmoothQuant† picks, on the same objective
+        assert info[bits, "QuantMLA"]["alpha_C"] == info[bits, "SmoothQuant†"]["alpha_C"]
+        assert info[bits, "QuantMLA"]["heldout_init_C"] == pytest.approx(info[bits, "SmoothQuant†"]["heldout_nmse_C"])
+    # both formats store K_P at 4 bits: the C2R4 run reused the RoPE path learned for C4R4
+    assert info["c2r4", "QuantMLA"]["cached_P"] == 1
+    assert scores["c2r4", "QuantMLA"]["L_P"] == scores["c4r4", "QuantMLA"]["L_P"]
+    # the cache's own error ranks the methods differently from the output error
+    rows = [n for n in ns["CONFIGS"]]
+    by = {k: sorted(rows, key=lambda n: scores["c2r4", n][k]) for k in ("L_C", "cache NMSE of C")}
+    assert by["L_C"] != by["cache NMSE of C"]
+
+    # Section 2: quantization off, every fused model is the original; QuantMLA's cache is the
+    # flattest inside its quantization groups.
+    assert all(e < 1e-5 for e in ns["fusion_error"].values())
+    assert min(ns["spread"], key=ns["spread"].get) == "QuantMLA"
+    assert max(ns["spread"], key=ns["spread"].get) == "RTN"
+
+    # Section 3: trained on the cache, the cache error is lower and the output error higher.
+    aligned, cache_trained = ns["aligned"], ns["cache_trained"]
+    assert cache_trained["cache NMSE of C"] < aligned["cache NMSE of C"]
+    assert cache_trained["L_C"] > 1.5 * aligned["L_C"]
+
+    # Section 4: end to end, C2R4 costs more than C4R4 for every method; QuantMLA leads at C2R4,
+    # is close to QuaRot† at C4R4, and both stay ahead of SmoothQuant† and RTN.
+    e2e = ns["end_to_end"]
+    for n in ["RTN", *base]:
+        assert e2e["c2r4", n] > e2e["c4r4", n]
+    assert min(ns["names"], key=lambda n: e2e["c2r4", n]) == "QuantMLA"
+    for bits in formats:
+        assert max(e2e[bits, "QuantMLA"], e2e[bits, "QuaRot†"]) < min(e2e[bits, "SmoothQuant†"], e2e[bits, "RTN"])
+    a, b = e2e["c4r4", "QuantMLA"], e2e["c4r4", "QuaRot†"]
+    assert abs(a - b) < 0.25 * min(a, b)
