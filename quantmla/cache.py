@@ -14,13 +14,13 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from quantmla.quant import BITS, qdq
+from quantmla.quant import BITS, CxRy, qdq
 
 _NAME = re.compile(r"^[cC](\d+)[rR](\d+)$")
 
 
 @dataclass(frozen=True)
-class CacheSpec:
+class CacheSpec(CxRy):
     content_bits: int = 16
     rope_bits: int = 16
     group: int = 64
@@ -46,14 +46,6 @@ class CacheSpec:
                 f"bits '{name}' is not of the form CxRy (x, y in {{{', '.join(map(str, BITS))}}}), e.g. c4r4, c2r4, c16r16"
             )
         return cls(content_bits=int(m.group(1)), rope_bits=int(m.group(2)), **kw)
-
-    @property
-    def name(self) -> str:
-        return f"c{self.content_bits}r{self.rope_bits}"
-
-    @property
-    def quantized(self) -> bool:
-        return self.content_bits < 16 or self.rope_bits < 16
 
     @property
     def protected(self) -> bool:

@@ -31,6 +31,22 @@ CONTAINER_BITS = {2: 2, 3: 4, 4: 4, 8: 8}
 """How many bits a code occupies once packed: 3-bit codes travel in 4-bit nibbles."""
 
 
+class CxRy:
+    """What a cache format's two bit widths say by themselves (a base of ``CacheSpec`` and ``PageFormat``)."""
+
+    content_bits: int
+    rope_bits: int
+
+    @property
+    def name(self) -> str:
+        """``c4r4``, ``c2r4``, ``c16r16`` (the plain cache-dtype cache)."""
+        return f"c{self.content_bits}r{self.rope_bits}"
+
+    @property
+    def quantized(self) -> bool:
+        return self.content_bits < 16 or self.rope_bits < 16
+
+
 def check_bits(bits: int, what: str = "bits") -> int:
     if bits not in BITS:
         raise ValueError(f"{what}={bits} is not supported; choose one of {', '.join(map(str, BITS))}")

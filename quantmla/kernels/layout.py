@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from quantmla.quant import BITS, CONTAINER_BITS
+from quantmla.quant import BITS, CONTAINER_BITS, CxRy
 
 PAGE = 64
 """Tokens per page (spec §8.1)."""
@@ -71,7 +71,7 @@ class Region:
 
 
 @dataclass(frozen=True)
-class PageFormat:
+class PageFormat(CxRy):
     """Byte layout of one page for a CxRy cache of latent widths ``d_c`` and ``d_r``."""
 
     content_bits: int
@@ -98,8 +98,7 @@ class PageFormat:
             raise ValueError(
                 f"RoPE key width d_r={self.d_r} cannot be held by the cache layout (needs a power of two in 16..{MAX_DIM})"
             )
-        quantized = self.content_bits < 16 or self.rope_bits < 16
-        if quantized and (not _is_pow2(self.group) or self.group < 16):
+        if self.quantized and (not _is_pow2(self.group) or self.group < 16):
             raise ValueError(f"quantization group {self.group} must be a power of two >= 16 for the cache layout")
         for bits, d, what in ((self.content_bits, self.d_c, "d_c"), (self.rope_bits, self.d_r, "d_r")):
             if bits < 16 and d % self.group:
@@ -131,14 +130,6 @@ class PageFormat:
     @classmethod
     def from_spec(cls, spec, d_c: int, d_r: int, dtype: torch.dtype) -> PageFormat:
         return cls(spec.content_bits, spec.rope_bits, d_c, d_r, spec.group, dtype)
-
-    @property
-    def name(self) -> str:
-        return f"c{self.content_bits}r{self.rope_bits}"
-
-    @property
-    def quantized(self) -> bool:
-        return self.content_bits < 16 or self.rope_bits < 16
 
     @property
     def bytes_per_token(self) -> int:
