@@ -260,7 +260,7 @@ def candidates(H: int, pv: str) -> list[dict]:
     return [dict(c, pv_split=True) if pv == "split" else c for c in CANDIDATES.get(H, [{}])]
 
 
-def _pv_config(pv: str) -> dict:
+def pv_config(pv: str) -> dict:
     return {"split": {"pv_split": True}, "bf16": {"pv_split": False}}.get(pv, {})
 
 
@@ -302,7 +302,7 @@ def warm(heads, workers=None, only=None) -> None:
             for H in heads
             for name in FORMATS
             for pv in ("default", "split", "bf16")
-            for cfg in candidates(H, pv) + [_pv_config(pv)]
+            for cfg in candidates(H, pv) + [pv_config(pv)]
         ]
     with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
         for msg in ex.map(_warm_one, jobs):
@@ -377,7 +377,7 @@ def main(argv=None):
         batches, lengths = [1, 32], [4096, 32768]
     shapes = args.shapes or [(H, B, L) for H in heads for B in batches for L in lengths]
     heads = sorted({H for H, _, _ in shapes})
-    common = _pv_config(args.pv)
+    common = pv_config(args.pv)
     configs = {(H, n): dict(common) for H in heads for n in FORMATS}
     tuning = {}
     if args.tune:

@@ -1,7 +1,9 @@
 """Paper-layout tables from run records, with the published numbers beside matching rows."""
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 from analysis import paper_numbers as P
 from quantmla.evals.averages import suite_report
@@ -74,3 +76,25 @@ def test_missing_task_leaves_the_average_empty(tmp_path):
 def test_no_runs_is_an_error(tmp_path):
     r = subprocess.run([sys.executable, "-m", "analysis", "paper", str(tmp_path)], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.startswith("error: no finished")
+
+
+def test_table9_transcription_agrees_with_its_own_deltas_and_the_papers_summary():
+    """Each Δ of Table 9 recomputed from its two latencies (rounded to 0.01 µs in the paper), and the
+    paper's summary of the table (spec §8.4): between −7.42 % and +4.29 %, within 0.5 % from 64K up."""
+    assert {b for b, _ in P.TABLE9} == {8, 32} and len(P.TABLE9) == 20
+    for (b, n), (bf16, c4r4, delta) in P.TABLE9.items():
+        assert abs((c4r4 / bf16 - 1) * 100 - delta) < 0.02, (b, n)
+        if n >= 1 << 16:
+            assert abs(delta) < 0.5, (b, n)
+    deltas = [d for _, _, d in P.TABLE9.values()]
+    assert (min(deltas), max(deltas)) == (-7.42, 4.29)
+
+
+def test_table9_benchmark_says_it_needs_a_gpu():
+    """bench/table9.py (spec §8.4's protocol) stops with one clear line on a machine without CUDA."""
+    r = subprocess.run(
+        [sys.executable, "bench/table9.py", "--quick"],
+        cwd=Path(__file__).resolve().parents[1], env=os.environ | {"CUDA_VISIBLE_DEVICES": ""},
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert r.returncode == 1 and r.stderr.strip().endswith("bench/table9.py needs a CUDA GPU"), r.stderr[-2000:]
