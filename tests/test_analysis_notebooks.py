@@ -138,7 +138,8 @@ def test_methods_on_caches_notebook():
     e2e = ns["end_to_end"]
     for n in ["RTN", *base]:
         assert e2e["c2r4", n] > e2e["c4r4", n]
-    assert min(ns["names"], key=lambda n: e2e["c2r4", n]) == "QuantMLA"
+    others = [e2e["c2r4", n] for n in ns["names"] if n != "QuantMLA"]
+    assert e2e["c2r4", "QuantMLA"] < 0.8 * min(others)  # "about two thirds of the next best"
     for bits in formats:
         assert max(e2e[bits, "QuantMLA"], e2e[bits, "QuaRot†"]) < min(e2e[bits, "SmoothQuant†"], e2e[bits, "RTN"])
     a, b = e2e["c4r4", "QuantMLA"], e2e["c4r4", "QuaRot†"]
