@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode import D_C, SINK, TAU, Shape, pv_config, run_meta  # noqa: E402
+from decode import FORMATS as BITS_OF  # noqa: E402
 
 from analysis.paper_numbers import TABLE9  # noqa: E402
 from quantmla import kernels  # noqa: E402
@@ -173,7 +174,7 @@ def main(argv=None):
     free = torch.cuda.mem_get_info()[0]
     for B in BATCHES:
         for N in lengths:
-            need = B * sum(PageFormat(*{"c16r16": (16, 16), "c4r4": (4, 4)}[f]).request_bytes(N) for f in FORMATS)
+            need = B * sum(PageFormat(*BITS_OF[f]).request_bytes(N) for f in FORMATS)
             if need * 1.2 > free:
                 print(f"skip B={B} N={N}: needs ~{need / 2**30:.0f} GiB", flush=True)
                 continue
