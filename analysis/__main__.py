@@ -1,4 +1,6 @@
-"""``python -m analysis table <runs-dir> [--out DIR]``: print and write the results table."""
+"""``python -m analysis table|paper|sensitivity <runs-dir> [--out DIR]``: print and write result tables
+(and figures) from recorded runs; ``python -m analysis latency <table9 JSON> ...``: Table 9 from
+``bench/table9.py`` records."""
 
 from __future__ import annotations
 
@@ -19,7 +21,20 @@ def main(argv: list[str] | None = None) -> int:
     pp = sub.add_parser("paper", help="Tables 1, 2 and RULER in the paper's layout, with its numbers beside")
     pp.add_argument("runs_dir", type=Path)
     pp.add_argument("--out", type=Path, default=None, help="folder for paper_tables.md (default: runs_dir)")
+    la = sub.add_parser("latency", help="Table 9 and a Figure 5b-style plot from bench/table9.py records")
+    la.add_argument("records", type=Path, nargs="+", help="table9-<date>.json files written by bench/table9.py")
+    la.add_argument("--out", type=Path, default=None, help="folder for table9.md/.csv/.png (default: runs/latency)")
     args = ap.parse_args(argv)
+    if args.cmd == "latency":
+        from analysis.latency import write as write_latency
+
+        try:
+            md, files = write_latency(args.records, args.out)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(md)
+        print("\n(written: " + ", ".join(str(f) for f in files) + ")")
     if args.cmd == "paper":
         if not args.runs_dir.is_dir():
             print(f"error: {args.runs_dir} is not a folder of runs", file=sys.stderr)

@@ -1,9 +1,12 @@
 """Paper-layout tables from run records, with the published numbers beside matching rows."""
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from analysis import paper_numbers as P
 from quantmla.evals.averages import suite_report
@@ -98,3 +101,26 @@ def test_table9_benchmark_says_it_needs_a_gpu():
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert r.returncode == 1 and r.stderr.strip().endswith("bench/table9.py needs a CUDA GPU"), r.stderr[-2000:]
+
+
+def test_latency_table_and_figure_from_the_committed_table9_records(tmp_path):
+    """``python -m analysis latency`` on the H200 records in bench/results: one row per (batch, N),
+    each record's Δ equal to its own mean latencies' ratio, the paper's numbers beside, a figure;
+    and a clear error (exit 2) for a record of another benchmark."""
+    from analysis.__main__ import main
+
+    results = Path(__file__).resolve().parents[1] / "bench" / "results"
+    records = [results / "table9-20261201-033432.json", results / "table9-20261201-033446.json"]
+    assert main(["latency", *map(str, records), "--out", str(tmp_path)]) == 0
+    md = (tmp_path / "table9.md").read_text()
+    rows = [ln for ln in md.splitlines() if ln.startswith("| 8 |") or ln.startswith("| 32 |")]
+    assert len(rows) == 22  # batch 8 and 32, N = 1K ... 1M
+    for path, col in zip(records, (2, 3)):
+        for r in json.loads(path.read_text())["rows"]:
+            assert r["delta_pct"] == pytest.approx((r["c4r4_us"] / r["c16r16_us"] - 1) * 100)
+            n = f"{r['N'] >> 20}M" if r["N"] >= 1 << 20 else f"{r['N'] >> 10}K"
+            (row,) = [x for x in rows if x.startswith(f"| {r['B']} | {n} |")]
+            assert row.split("|")[1 + col].strip() == f"{r['delta_pct']:+.2f}"
+    assert "| 32 | 1M | +5.91 | -5.29 | 33701.48 | 33609.17 | -0.27 |" in rows
+    assert (tmp_path / "table9.png").stat().st_size > 10_000
+    assert main(["latency", str(results / "decode-20261130-212443.json"), "--out", str(tmp_path)]) == 2
