@@ -5,8 +5,16 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from pathlib import Path
+
+WRITERS = {  # subcommand -> (module with write(source, out) -> (markdown, what it wrote), the files that is)
+    "table": ("analysis.table", lambda out: [out / "table.md", out / "table.csv"]),
+    "paper": ("analysis.paper", lambda path: [path]),
+    "sensitivity": ("analysis.sensitivity", lambda files: files),
+    "latency": ("analysis.latency", lambda files: files),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,51 +33,17 @@ def main(argv: list[str] | None = None) -> int:
     la.add_argument("records", type=Path, nargs="+", help="table9-<date>.json files written by bench/table9.py")
     la.add_argument("--out", type=Path, default=None, help="folder for table9.md/.csv/.png (default: runs/latency)")
     args = ap.parse_args(argv)
-    if args.cmd == "latency":
-        from analysis.latency import write as write_latency
-
-        try:
-            md, files = write_latency(args.records, args.out)
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        print(md)
-        print("\n(written: " + ", ".join(str(f) for f in files) + ")")
-    if args.cmd == "paper":
-        if not args.runs_dir.is_dir():
-            print(f"error: {args.runs_dir} is not a folder of runs", file=sys.stderr)
-            return 2
-        from analysis.paper import write as write_paper
-
-        try:
-            md, path = write_paper(args.runs_dir, args.out)
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        print(md)
-        print(f"\n(written to {path})")
-    if args.cmd == "table":
-        if not args.runs_dir.is_dir():
-            print(f"error: {args.runs_dir} is not a folder of runs", file=sys.stderr)
-            return 2
-        from analysis.table import write
-
-        md, out = write(args.runs_dir, args.out)
-        print(md)
-        print(f"\n(written to {out / 'table.md'} and {out / 'table.csv'})")
-    if args.cmd == "sensitivity":
-        if not args.runs_dir.is_dir():
-            print(f"error: {args.runs_dir} is not a folder of runs", file=sys.stderr)
-            return 2
-        from analysis.sensitivity import write as write_sensitivity
-
-        try:
-            md, files = write_sensitivity(args.runs_dir, args.out)
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        print(md)
-        print("\n(written: " + ", ".join(str(f) for f in files) + ")")
+    if args.cmd != "latency" and not args.runs_dir.is_dir():
+        print(f"error: {args.runs_dir} is not a folder of runs", file=sys.stderr)
+        return 2
+    module, files = WRITERS[args.cmd]
+    try:
+        md, written = importlib.import_module(module).write(getattr(args, "records", None) or args.runs_dir, args.out)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(md)
+    print("\n(written: " + ", ".join(str(f) for f in files(written)) + ")")
     return 0
 
 
