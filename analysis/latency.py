@@ -17,7 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from analysis.paper_numbers import TABLE9  # noqa: E402
+from analysis.paper_numbers import TABLE9, context_label  # noqa: E402
 
 KEYS = ("B", "N", "c16r16_us", "c4r4_us", "delta_pct")
 
@@ -58,10 +58,6 @@ def frame(records: list[dict]) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
-def _n(n: int) -> str:
-    return f"{n >> 20}M" if n >= 1 << 20 else f"{n >> 10}K"
-
-
 def table(df: pd.DataFrame) -> str:
     """Table 9's layout: per (batch, N), each record's Δ and the paper's BF16, C4R4 and Δ."""
     labels = list(dict.fromkeys(df["record"]))
@@ -76,7 +72,7 @@ def table(df: pd.DataFrame) -> str:
         cells = [f"{d.iloc[0]:+.2f}" if len(d) else "—" for d in deltas]
         p = TABLE9.get((b, n))
         paper = [f"{p[0]:.2f}", f"{p[1]:.2f}", f"{p[2]:+.2f}"] if p else ["—"] * 3
-        lines.append(f"| {b} | {_n(n)} | " + " | ".join(cells + paper) + " |")
+        lines.append(f"| {b} | {context_label(n)} | " + " | ".join(cells + paper) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -100,7 +96,7 @@ def figure(df: pd.DataFrame, path: Path) -> Path:
         top.set(xscale="log", yscale="log", ylabel="latency (µs)", title=f"batch {b}, 16 heads")
         bottom.axhline(0, c="gray", lw=0.5)
         bottom.set(xscale="log", xlabel="context N (tokens)", ylabel="Δ = C4R4 / BF16 − 1 (%)")
-        bottom.set_xticks(sorted(df["N"].unique()), [_n(n) for n in sorted(df["N"].unique())], minor=False)
+        bottom.set_xticks(sorted(df["N"].unique()), [context_label(n) for n in sorted(df["N"].unique())], minor=False)
         bottom.tick_params(axis="x", labelrotation=45)
     ax[0, 0].legend(fontsize=7)
     ax[1, 0].legend(fontsize=7)

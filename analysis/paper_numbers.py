@@ -103,6 +103,11 @@ TABLE9 = {
 }
 
 
+def context_label(n: int) -> str:
+    """1024 → "1K", 1048576 → "1M" (Table 9's context column)."""
+    return f"{n >> 20}M" if n >= 1 << 20 else f"{n >> 10}K"
+
+
 def paper_row(table: dict, model: str, bits: str, method: str, protect: bool):
     """The paper's numbers for a reproduced row, or None if the paper has no such row."""
     if bits == "C16R16":

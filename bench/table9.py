@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import D_C, SINK, TAU, Shape, pv_config, run_meta  # noqa: E402
 from decode import FORMATS as BITS_OF  # noqa: E402
 
-from analysis.paper_numbers import TABLE9  # noqa: E402
+from analysis.paper_numbers import TABLE9, context_label  # noqa: E402
 from quantmla import kernels  # noqa: E402
 from quantmla.kernels import PageFormat, triton_decode  # noqa: E402
 
@@ -121,7 +121,7 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         p = TABLE9.get((r["B"], r["N"]))
         paper = f"{p[0]:.2f} | {p[1]:.2f} | {p[2]:+.2f}" if p else "— | — | —"
-        n = f"{r['N'] >> 20}M" if r["N"] >= 1 << 20 else f"{r['N'] >> 10}K"
+        n = context_label(r["N"])
         lines.append(
             f"| {r['B']} | {n} | {r['c16r16_us']:.2f} | {r['c4r4_us']:.2f} | {r['delta_pct']:+.2f} | "
             f"{r['speedup']:.2f}× | {paper} |"
