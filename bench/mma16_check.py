@@ -82,7 +82,7 @@ def bench(shapes, ablate_shape) -> list[dict]:
         row["c16r16_bf16_p_ms"] = sh.time("c16r16", dict(pv_split=False))
         row["c4r4_triton_bf16_p_ms"] = sh.time("c4r4", dict(pv_split=False, mma16=False))
         layer, tables = sh.layers["c4r4"], sh.tables["c4r4"]
-        s0 = triton_decode.default_config(B, H, L, layer.fmt, layer.pool.device, {})["num_splits"]
+        s0 = triton_decode.default_config(B, H, L, layer, layer.pool.device, {})["num_splits"]
         out = (torch.empty(B, H, 512, device=DEV), torch.empty(B, H, device=DEV))
         tries = {}
         for mr in (None, 128):

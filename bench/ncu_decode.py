@@ -41,7 +41,7 @@ def main(argv=None):
     sh = Shape(H, B, L, gen, 0, formats=(args.fmt,))
     layer, table = sh.layers[args.fmt], sh.tables[args.fmt][0]
     cfg = dict(cfg, max_len=L)
-    chosen = triton_decode.default_config(B, H, L, layer.fmt, DEV, cfg)
+    chosen = triton_decode.default_config(B, H, L, layer, DEV, cfg)
     for _ in range(3):
         triton_decode.decode(layer, table, sh.lengths, sh.q, sh.qp, TAU, cfg)
     torch.cuda.synchronize()

@@ -96,7 +96,7 @@ def measure(B: int, N: int, runs: int, per_round: int, l2: int, flush: torch.Ten
                 raise RuntimeError(f"decode wrote non-finite values for {name} at B={B} N={N}")
             if run == 0:
                 layer = sh.layers[name]
-                full = triton_decode.default_config(B, H, N, layer.fmt, layer.pool.device, pv)
+                full = triton_decode.default_config(B, H, N, layer, layer.pool.device, pv)
                 kernel, splits, per = triton_decode.plan(layer, H, full, layer.pool.device, N)
                 row[f"{name}_plan"] = {"kernel": kernel, "splits": splits, "tiles_per_split": per}
         for rnd in range(2):

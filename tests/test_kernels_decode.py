@@ -61,12 +61,15 @@ def test_decode_kernel_matches_reference(case):
         assert rel(lse, lse_ref) < TOL and same_inf(lse, lse_ref)
 
 
-def test_decode_splits_where_the_last_holds_only_the_protected_rows():
-    """Work is the page tiles up to the recent window plus the protected tiles, cut into equal
-    shares, and the last split takes the protected rows: with 300 and 90 tokens (3 and 1 page tiles
-    of 64, plus 3 protected tiles) and 8 splits asked for, 6 splits of one tile run, splits 3-4 hold
-    nothing for either request and split 5 only the protected rows. Every split count gives the
+def test_decode_splits_count_the_protected_rows_as_work_tiles():
+    """Work is the page tiles up to the recent window plus the protected tiles (sink and ring, 132
+    rows: 3 tiles of 64), cut into equal shares; a request's work tiles past its page tiles are its
+    protected rows. With 300 and 90 tokens (3 and 1 page tiles) and 8 splits asked for, 6 splits of
+    one tile run: request 0's protected rows fall to splits 3-5, request 1's to splits 1-3, and
+    splits 4-5 hold nothing for it. The split search counts the same work: 8 requests of 1K tokens
+    (14 page tiles + 3) take 17 splits of one tile, as BF16 takes 16. Every split count gives the
     reference's output."""
+    from quantmla.kernels import triton_decode
     from quantmla.kernels.triton_decode import split_work
 
     c4r4 = PagedLayer(PageFormat(4, 4), 1, "cpu", batch=1, sink=4, recent=128)
@@ -76,6 +79,18 @@ def test_decode_splits_where_the_last_holds_only_the_protected_rows():
     assert split_work(c4r4, 8192, 64, 2) == (2, 65)  # 126 page tiles + 3 protected
     assert split_work(c4r4, 8192, 64, 2, sink_in_tile0=True) == (2, 64)  # 126 + 2: BF16's 128 tiles
     assert split_work(bf16, 8192, 64, 2) == (2, 64) and bf16.prot is None
+    # the split search on an H200's 132 SMs (the compiled path's, which the interpreter skips)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(triton_decode, "INTERPRET", False)
+        triton_decode._config.cache_clear()
+        try:
+            dev = torch.device("cpu")
+            for layer, tiles in ((c4r4, 17), (bf16, 16)):
+                cfg = triton_decode.default_config(8, 16, 1024, layer, dev)
+                assert cfg["num_splits"] == tiles and split_work(layer, 1024, 64, tiles) == (tiles, 1)
+            assert triton_decode.default_config(32, 16, 8192, c4r4, dev)["num_splits"] == 8
+        finally:
+            triton_decode._config.cache_clear()
     gen = torch.Generator().manual_seed(5)
     layer, bt, lens, _, _ = filled_layer(PageFormat(4, 4), [300, 90], gen)
     q, qp = _queries(2, 16, gen)
@@ -270,7 +285,7 @@ def test_gluon_decode_matches_reference(cb, H, splits, extra, kernel):
     layer, bt, lens, _, _ = filled_layer(PageFormat(cb, 4), lengths, gen)
     q, qp = _queries(len(lengths), H, gen)
     cfg = dict(extra) if splits is None else dict(extra, num_splits=splits)
-    full = default_config(len(lengths), H, 4000, layer.fmt, q.device, cfg)
+    full = default_config(len(lengths), H, 4000, layer, q.device, cfg)
     assert plan(layer, H, full, q.device, 4000)[0] == kernel
     o_ref, lse_ref = ref.decode(layer, bt, lens, q, qp, 576**-0.5)
     out = _poisoned(len(lengths), H)
@@ -291,14 +306,14 @@ def test_gluon_kernel_applies_only_where_it_was_written_for():
     c2, _, _, _, _ = filled_layer(PageFormat(2, 4), [70], gen)
     c4r8, _, _, _, _ = filled_layer(PageFormat(4, 8), [70], gen)
     dev = torch.device(DEVICE)
-    cfg = default_config(1, 128, 70, layer.fmt, dev, {})
+    cfg = default_config(1, 128, 70, layer, dev, {})
     assert uses_gluon(layer, 128, cfg, dev, GLUON_MIN_TILES) == _hopper()
     assert not uses_gluon(layer, 128, cfg, dev, GLUON_MIN_TILES - 1)
     assert uses_gluon(c2, 128, cfg, dev, 8) == _hopper()
     assert not uses_gluon(c4r8, 128, cfg, dev, 8)
-    assert not uses_gluon(layer, 16, default_config(1, 16, 70, layer.fmt, dev, {}), dev, 8)
+    assert not uses_gluon(layer, 16, default_config(1, 16, 70, layer, dev, {}), dev, 8)
     for override in (dict(pv_split=True), dict(block_n=32), dict(gluon=False)):
-        assert not uses_gluon(layer, 128, default_config(1, 128, 70, layer.fmt, dev, override), dev, 8), override
+        assert not uses_gluon(layer, 128, default_config(1, 128, 70, layer, dev, override), dev, 8), override
 
 
 def test_mma16_kernel_applies_only_where_it_was_written_for():
@@ -312,16 +327,16 @@ def test_mma16_kernel_applies_only_where_it_was_written_for():
     layer, _, _, _, _ = filled_layer(PageFormat(4, 4), [70], gen)
     c2, _, _, _, _ = filled_layer(PageFormat(2, 4), [70], gen)
     dev = torch.device(DEVICE)
-    cfg = default_config(1, 16, 70, layer.fmt, dev, dict(pv_split=False))
+    cfg = default_config(1, 16, 70, layer, dev, dict(pv_split=False))
     assert uses_mma16(layer, 16, cfg, dev, MMA16_MIN_TILES) == _hopper()
     assert uses_mma16(layer, 9, cfg, dev, MMA16_MIN_TILES) == _hopper()
     assert not uses_mma16(layer, 16, cfg, dev, MMA16_MIN_TILES - 1)
     assert uses_mma16(layer, 16, dict(cfg, mma16_min_tiles=1), dev, 1) == _hopper()
     assert not uses_mma16(c2, 16, cfg, dev, MMA16_MIN_TILES)
     assert not uses_mma16(layer, 17, cfg, dev, MMA16_MIN_TILES)
-    assert not uses_mma16(layer, 16, default_config(1, 16, 70, layer.fmt, dev, {}), dev, MMA16_MIN_TILES)
+    assert not uses_mma16(layer, 16, default_config(1, 16, 70, layer, dev, {}), dev, MMA16_MIN_TILES)
     for override in (dict(block_n=32), dict(mma16=False)):
         assert not uses_mma16(layer, 16, dict(cfg, **override), dev, MMA16_MIN_TILES), override
     # the default 16-head config (hi/lo P) plans the Triton kernel at any length
-    full = default_config(1, 16, 1 << 20, layer.fmt, dev, {})
+    full = default_config(1, 16, 1 << 20, layer, dev, {})
     assert plan(layer, 16, full, dev, 1 << 20)[0] == "triton"

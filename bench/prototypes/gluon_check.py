@@ -58,7 +58,7 @@ def main() -> None:
     for B, L in [(32, 32768), (1, 131072), (128, 131072), (32, 8192)]:
         sh = bench.Shape(16, B, L, gen, props.L2_cache_size, formats=("c4r4", "c16r16"))
         layer, tabs = sh.layers["c4r4"], sh.tables["c4r4"]
-        S = triton_decode.default_config(B, 16, L, layer.fmt, torch.device(bench.DEV))["num_splits"]
+        S = triton_decode.default_config(B, 16, L, layer, torch.device(bench.DEV))["num_splits"]
         row = {
             "c16r16": sh.time("c16r16", {}),
             "triton_c4r4": sh.time("c4r4", {}),

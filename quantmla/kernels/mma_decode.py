@@ -30,8 +30,8 @@ compiler folds into the loads.
 The tensors here are per-thread register arrays: shape ``(regs..., 4 warps, 32 lanes)`` in
 layouts whose last two axes are the warp and the lane, so a tensor element is one register of
 one thread, and ``gl.inline_asm_elementwise`` issues one ``mma.sync`` per element index across
-the warp. Protected rows (sink and recent ring) come from the BF16 protection buffer in the last
-split, as three tiles, as in the Triton kernel (``triton_decode.split_work``).
+the warp. Protected rows (sink and recent ring) come from the BF16 protection buffer as three
+work tiles after the page tiles, as in the Triton kernel (``triton_decode.split_work``).
 
 Takes C4R4 in a BF16 cache (group 64, d_c 512, d_r 64, protection buffers on) for at most 16 heads
 on a Hopper GPU (:func:`applies`), with P as one BF16 tile. :func:`.triton_decode.plan` sends a
@@ -520,9 +520,13 @@ def _h16_decode_kernel(Q, QPE, O, LSE, BT, LENS, PROT,
             acc = _rescale(acc, alpha0, alpha1)
             acc = _pv_page(acc, pa, ccodes, cscale, czero, t0, low_hi, gi3, w3, g3, c3, SINK)
 
-    if pid_s == gl.num_programs(0) - 1:  # the protected rows: sink and recent ring
+    # the protected rows (sink, then the recent ring) are this request's work tiles n_tiles, …: the
+    # split whose share holds them attends to them (triton_decode.split_work)
+    p_lo = gl.maximum(t_lo - n_tiles, 0) * BN
+    p_hi = gl.minimum(t_lo + tiles_per_split - n_tiles, (SINK + RECENT + BN - 1) // BN) * BN
+    if p_lo < p_hi:
         prot = PROT + b * stride_pb
-        for r0 in range(0, SINK + RECENT, BN):
+        for r0 in range(p_lo, p_hi, BN):
             acc_s = ()
             for jj in gl.static_range(2):
                 r = r0 + tok0 + 8 * jj

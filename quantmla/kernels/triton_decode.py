@@ -293,21 +293,24 @@ def _decode_kernel(
         m_i, l_i, a0, a1, a2, a3 = _step(q0, q1, q2, q3, qpe, k0, k1, k2, k3, kr, valid, m_i, l_i, a0, a1, a2, a3,
                                          qk_scale, NCH, BLOCK_H, BLOCK_N, PV_SPLIT, IEEE, KV, INTERP)  # fmt: skip
     if HAS_PROT:
-        if pid_s == tl.num_programs(1) - 1:  # the protected rows (sink, then the ring of the latest RECENT)
-            ROWS: tl.constexpr = SINK + RECENT
-            for r0 in range(0, ROWS, BLOCK_N):
-                r = r0 + tl.arange(0, BLOCK_N)
-                ring = r - SINK
-                base = tl.maximum(L - RECENT, 0)
-                tok = tl.where(L <= RECENT, ring, base + (ring - base % RECENT + RECENT) % RECENT)
-                valid = tl.where(r < SINK, r < L, (r < ROWS) & (tok >= SINK) & (tok < L))
-                rows = PROT + b * stride_pb + r[:, None] * (DC + DR)
-                km = valid[:, None] & (cw[None, :] < DC)
-                k0, k1, k2, k3 = _chunks(rows, cw[None, :], km, CW, NCH)
-                kr = tl.load(rows + DC + dr[None, :], mask=valid[:, None], other=0.0)
-                m_i, l_i, a0, a1, a2, a3 = _step(q0, q1, q2, q3, qpe, k0, k1, k2, k3, kr, valid, m_i, l_i,
-                                                 a0, a1, a2, a3, qk_scale, NCH, BLOCK_H, BLOCK_N, PV_SPLIT,
-                                                 IEEE, KV, INTERP)  # fmt: skip
+        # the protected rows (sink, then the ring of the latest RECENT) are this request's work tiles
+        # n_tiles, n_tiles + 1, …: the split whose share holds them attends to them (split_work)
+        ROWS: tl.constexpr = SINK + RECENT
+        p_lo = tl.maximum(t_lo - n_tiles, 0) * BLOCK_N
+        p_hi = tl.minimum(t_lo + tiles_per_split - n_tiles, (ROWS + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+        for r0 in range(p_lo, p_hi, BLOCK_N):
+            r = r0 + tl.arange(0, BLOCK_N)
+            ring = r - SINK
+            base = tl.maximum(L - RECENT, 0)
+            tok = tl.where(L <= RECENT, ring, base + (ring - base % RECENT + RECENT) % RECENT)
+            valid = tl.where(r < SINK, r < L, (r < ROWS) & (tok >= SINK) & (tok < L))
+            rows = PROT + b * stride_pb + r[:, None] * (DC + DR)
+            km = valid[:, None] & (cw[None, :] < DC)
+            k0, k1, k2, k3 = _chunks(rows, cw[None, :], km, CW, NCH)
+            kr = tl.load(rows + DC + dr[None, :], mask=valid[:, None], other=0.0)
+            m_i, l_i, a0, a1, a2, a3 = _step(q0, q1, q2, q3, qpe, k0, k1, k2, k3, kr, valid, m_i, l_i,
+                                             a0, a1, a2, a3, qk_scale, NCH, BLOCK_H, BLOCK_N, PV_SPLIT,
+                                             IEEE, KV, INTERP)  # fmt: skip
 
     has = l_i > 0
     inv = 1.0 / tl.where(has, l_i, 1.0)[:, None]
@@ -404,18 +407,24 @@ def programs_per_sm(cfg: dict) -> int:
     return 2 if cfg["num_warps"] <= 4 else 1
 
 
-def default_config(B: int, H: int, max_len: int, fmt, device, config: dict | None = None) -> dict:
-    """Tiles, warps and splits for one decode shape; ``config`` overrides any of them.
+def default_config(B: int, H: int, max_len: int, layer, device, config: dict | None = None) -> dict:
+    """Tiles, warps and splits for one decode shape over ``layer``; ``config`` overrides any of them.
 
     One request's heads share each tile. Splits fill the GPU (SMs × programs per SM) at small
-    batch and vanish at large batch; they are counted for the tiles actually used.
+    batch and vanish at large batch; they are counted for the work tiles :func:`split_work` cuts
+    (page tiles and protected tiles alike).
     """
     key = tuple(sorted((config or {}).items()))
-    return dict(_config(B, H, max_len, fmt, device, key))
+    return dict(_config(B, H, max_len, layer.fmt, _protected(layer), device, key))
+
+
+def _protected(layer) -> tuple[int, int] | None:
+    """(sink, recent) rows a layer attends to from its protection buffer, or None without one."""
+    return None if layer.prot is None else (layer.sink, layer.recent)
 
 
 @functools.lru_cache(maxsize=4096)
-def _config(B: int, H: int, max_len: int, fmt, device, key: tuple) -> dict:
+def _config(B: int, H: int, max_len: int, fmt, prot, device, key: tuple) -> dict:
     """Cached body of :func:`default_config` (the split search stays off the per-step host path)."""
     config = dict(key)
     if INTERPRET:
@@ -429,25 +438,32 @@ def _config(B: int, H: int, max_len: int, fmt, device, key: tuple) -> dict:
     cfg |= config
     if "num_splits" not in cfg:
         heads = triton.cdiv(H, cfg["block_h"])
-        tiles = max(1, triton.cdiv(max_len, cfg["block_n"]))
+        tiles = max(1, sum(_work(max_len, cfg["block_n"], prot)))
         per_sm = programs_per_sm(cfg)
         cfg["num_splits"] = _splits(B, heads, tiles, per_sm * _sms(device))
     return cfg
 
 
+def _work(max_len: int, block_n: int, prot: tuple[int, int] | None, sink_in_tile0: bool = False) -> tuple[int, int]:
+    """(page tiles, protected tiles) of a request of ``max_len`` tokens: the page tiles up to the
+    recent window (at least the one that holds the sink), then the protected rows (sink and ring,
+    or only the ring where the sink is swapped into page tile 0) in tiles of their own."""
+    if prot is None:
+        return triton.cdiv(max_len, block_n), 0
+    sink, recent = prot
+    end = min(max(max_len - recent, sink), max_len)
+    return triton.cdiv(end, block_n), triton.cdiv(recent + (0 if sink_in_tile0 else sink), block_n)
+
+
 def split_work(layer, max_len: int, block_n: int, num_splits: int, sink_in_tile0: bool = False) -> tuple[int, int]:
-    """(splits, tiles per split) for ``num_splits`` requested. Work is counted in tiles: the page
-    tiles up to the recent window (at least the one that holds the sink), then the tiles of the
-    protected rows, which the last split attends to, so it takes that many fewer page tiles; cut
-    into equal shares. The Triton kernel attends to sink and ring there (132 rows: 3 tiles of
-    64); the Gluon kernel swaps the sink rows into page tile 0 (``sink_in_tile0``: 2 tiles)."""
-    if layer.prot is None:
-        pages, prot = triton.cdiv(max_len, block_n), 0
-    else:
-        end = min(max(max_len - layer.recent, layer.sink), max_len)
-        rows = layer.recent + (0 if sink_in_tile0 else layer.sink)
-        pages, prot = triton.cdiv(end, block_n), triton.cdiv(rows, block_n)
-    work = max(1, pages + prot)
+    """(splits, tiles per split) for ``num_splits`` requested: the work tiles of :func:`_work`
+    (page tiles, then protected tiles) cut into equal shares. Split ``s`` takes a request's work
+    tiles ``s·per … (s+1)·per − 1``; those past its page tiles are its protected tiles, so a short
+    request's protected rows fall to earlier splits, and they spread over several splits where a
+    share is shorter than they are. (The Triton kernel attends to sink and ring as 132 rows, 3
+    tiles of 64; the Gluon kernel swaps the sink into page tile 0, ``sink_in_tile0``: 2 tiles, all
+    in its last split.)"""
+    work = max(1, sum(_work(max_len, block_n, _protected(layer), sink_in_tile0)))
     splits = max(1, min(num_splits, work))
     per = triton.cdiv(work, splits)
     return triton.cdiv(work, per), per
@@ -532,7 +548,7 @@ def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | 
     dev = q_lat.device
     config = config or {}
     max_len = int(config["max_len"]) if "max_len" in config else (int(lengths.max()) if B else 0)
-    cfg = default_config(B, H, max_len, fmt, dev, config)
+    cfg = default_config(B, H, max_len, layer, dev, config)
     block_h, block_n = cfg["block_h"], cfg["block_n"]
     if block_h < 16 or block_n < 16 or PAGE % block_n or (block_h & (block_h - 1)):
         raise ValueError(f"decode tiles: block_n must divide {PAGE}, both powers of two of at least 16; got {cfg}")
