@@ -97,8 +97,9 @@ def measure(B: int, N: int, runs: int, per_round: int, l2: int, flush: torch.Ten
             if run == 0:
                 layer = sh.layers[name]
                 full = triton_decode.default_config(B, H, N, layer, layer.pool.device, pv)
-                kernel, splits, per = triton_decode.plan(layer, H, full, layer.pool.device, N)
-                row[f"{name}_plan"] = {"kernel": kernel, "splits": splits, "tiles_per_split": per}
+                p = triton_decode.plan(layer, H, full, layer.pool.device, N)
+                row[f"{name}_plan"] = {"kernel": p.kernel, "splits": p.splits, "tiles_per_split": p.per,
+                                       "sink_in_tile0": p.sink_in_tile0}  # fmt: skip
         for rnd in range(2):
             for name in FORMATS if rnd == 0 else FORMATS[::-1]:
                 times[name] += samples(graphs[name][0], flush, per_round)

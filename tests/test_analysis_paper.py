@@ -110,7 +110,7 @@ def test_latency_table_and_figure_from_the_committed_table9_records(tmp_path):
     from analysis.__main__ import main
 
     results = Path(__file__).resolve().parents[1] / "bench" / "results"
-    records = [results / "table9-20261201-061117.json", results / "table9-20261201-061057.json"]
+    records = [results / "table9-20261201-063453.json", results / "table9-20261201-063424.json"]
     assert main(["latency", *map(str, records), "--out", str(tmp_path)]) == 0
     md = (tmp_path / "table9.md").read_text()
     rows = [ln for ln in md.splitlines() if ln.startswith("| 8 |") or ln.startswith("| 32 |")]
@@ -121,6 +121,6 @@ def test_latency_table_and_figure_from_the_committed_table9_records(tmp_path):
             n = f"{r['N'] >> 20}M" if r["N"] >= 1 << 20 else f"{r['N'] >> 10}K"
             (row,) = [x for x in rows if x.startswith(f"| {r['B']} | {n} |")]
             assert row.split("|")[1 + col].strip() == f"{r['delta_pct']:+.2f}"
-    assert "| 32 | 1M | +7.07 | -6.84 | 33701.48 | 33609.17 | -0.27 |" in rows
+    assert "| 32 | 1M | +7.11 | -7.21 | 33701.48 | 33609.17 | -0.27 |" in rows
     assert (tmp_path / "table9.png").stat().st_size > 10_000
     assert main(["latency", str(results / "decode-20261130-212443.json"), "--out", str(tmp_path)]) == 2

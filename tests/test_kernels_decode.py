@@ -66,8 +66,10 @@ def test_decode_splits_count_the_protected_rows_as_work_tiles():
     rows: 3 tiles of 64), cut into equal shares; a request's work tiles past its page tiles are its
     protected rows. With 300 and 90 tokens (3 and 1 page tiles) and 8 splits asked for, 6 splits of
     one tile run: request 0's protected rows fall to splits 3-5, request 1's to splits 1-3, and
-    splits 4-5 hold nothing for it. The split search counts the same work: 8 requests of 1K tokens
-    (14 page tiles + 3) take 17 splits of one tile, as BF16 takes 16. Every split count gives the
+    splits 4-5 hold nothing for it. Where the sink rides in page tile 0 the protected tiles are the
+    ring's two. The split search counts the same work: 8 requests of 1K tokens (14 page tiles + 3)
+    take 17 splits of one tile, as BF16 takes 16; at batch 32 and 8K the Triton kernel takes the sink
+    into page tile 0 and splits 128 work tiles, as BF16 does. Every split count gives the
     reference's output."""
     from quantmla.kernels import triton_decode
     from quantmla.kernels.triton_decode import split_work
@@ -88,6 +90,10 @@ def test_decode_splits_count_the_protected_rows_as_work_tiles():
             for layer, tiles in ((c4r4, 17), (bf16, 16)):
                 cfg = triton_decode.default_config(8, 16, 1024, layer, dev)
                 assert cfg["num_splits"] == tiles and split_work(layer, 1024, 64, tiles) == (tiles, 1)
+                assert triton_decode.plan(layer, 16, cfg, dev, 1024) == ("triton", tiles, 1, False)
+            # at batch 32 shares are longer than a tile: the sink rides in page tile 0, 126 + 2 tiles
+            cfg = triton_decode.default_config(32, 16, 8192, c4r4, dev)
+            assert triton_decode.plan(c4r4, 16, cfg, dev, 8192) == ("triton", 8, 16, True)
             assert triton_decode.default_config(32, 16, 8192, c4r4, dev)["num_splits"] == 8
         finally:
             triton_decode._config.cache_clear()
@@ -100,6 +106,32 @@ def test_decode_splits_count_the_protected_rows_as_work_tiles():
         o, lse = kernels.decode(layer, bt, lens, q, qp, 576**-0.5, "triton", dict(block_n=64, num_splits=splits), out)
         assert not torch.isnan(o).any() and not torch.isnan(lse).any()
         assert rel(o, o_ref) < TOL and rel(lse, lse_ref) < TOL, splits
+
+
+@pytest.mark.parametrize("sink, block_n", [(4, 16), (16, 16), (17, 16), (0, 32), (40, 32)], ids=str)
+def test_decode_sink_in_page_tile_zero_or_among_the_protected_tiles(sink, block_n):
+    """Sink rows that fit in one tile ride in page tile 0, swapped in from the protection buffer; a
+    larger sink is attended to as protected rows of its own. With the protection buffer unrelated
+    to the pages (reading a page's sink row instead moves the output), ragged requests, some
+    shorter than the sink or than the recent window, and 1 to 64 splits: the reference's
+    output either way, every output written."""
+    from quantmla.kernels.triton_decode import default_config, plan, swaps_sink
+
+    assert swaps_sink(sink, block_n) == (0 < sink <= block_n)
+    gen = torch.Generator().manual_seed(31 + sink + block_n)
+    lengths = [300, 70, 3, 45, 20]
+    layer, bt, lens, _, _ = filled_layer(PageFormat(4, 4), lengths, gen, sink=sink, recent=24)
+    layer.prot.copy_((torch.randn(layer.prot.shape, generator=gen) * 3 - 1).to(layer.prot.device, layer.prot.dtype))
+    q, qp = _queries(len(lengths), 16, gen)
+    o_ref, lse_ref = ref.decode(layer, bt, lens, q, qp, 576**-0.5)
+    for splits in (1, 3, 7, 64):  # the sink in page tile 0 where it fits, except with one tile per split
+        out = _poisoned(len(lengths), 16)
+        cfg = dict(block_n=block_n, num_splits=splits)
+        p = plan(layer, 16, default_config(len(lengths), 16, 300, layer, q.device, cfg), q.device, 300)
+        assert p.sink_in_tile0 == (swaps_sink(sink, block_n) and p.per > 1), (splits, p)
+        o, lse = kernels.decode(layer, bt, lens, q, qp, 576**-0.5, "triton", cfg, out=out)
+        assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+        assert rel(o, o_ref) < TOL and rel(lse, lse_ref) < TOL and same_inf(lse, lse_ref), splits
 
 
 MMA16 = dict(pv_split=False, mma16_min_tiles=1)  # the 16-head register-fed kernel, at any split length

@@ -527,8 +527,8 @@ def decode(layer, block_table, lengths, q, qpe, o, lse, tau: float, splits: int,
 
 def applies(layer, H: int, device) -> bool:
     """Whether this kernel takes ``layer`` for ``H`` heads on ``device``: C4R4 or C2R4, more than 16
-    heads, in the page layout :func:`hopper_page` describes."""
-    return layer.fmt.content_bits in (2, 4) and H > 16 and hopper_page(layer, device)
+    heads, sink rows that fit in page tile 0 (64), in the page layout :func:`hopper_page` describes."""
+    return layer.fmt.content_bits in (2, 4) and H > 16 and layer.sink <= 64 and hopper_page(layer, device)
 
 
 def hopper_page(layer, device) -> bool:

@@ -26,6 +26,7 @@ each version's measurements.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -171,6 +172,18 @@ def _chunks(base, offs, mask, CW: tl.constexpr, NCH: tl.constexpr):
     return x0, x1, x2, x3
 
 
+@triton.jit
+def _swap(rows, p0, p1, p2, p3, k0, k1, k2, k3, NCH: tl.constexpr):
+    """The content chunks ``k0..`` with the ``rows`` taken from ``p0..`` instead."""
+    k0 = tl.where(rows[:, None], p0, k0)
+    if NCH > 1:
+        k1 = tl.where(rows[:, None], p1, k1)
+    if NCH > 2:
+        k2 = tl.where(rows[:, None], p2, k2)
+        k3 = tl.where(rows[:, None], p3, k3)
+    return k0, k1, k2, k3
+
+
 def chunks(fmt, requested: int) -> int:
     """Column chunks of the content path the kernel can use for ``fmt``: ``requested`` (1, 2 or 4)
     when d_c is a power of two that many chunks of whole groups (and of >= 16 channels) tile, else 1."""
@@ -230,6 +243,7 @@ def _decode_kernel(
     SINK: tl.constexpr,
     RECENT: tl.constexpr,
     HAS_PROT: tl.constexpr,
+    SWAP_SINK: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -278,7 +292,30 @@ def _decode_kernel(
     s0, z0, s1, z1, s2, z2, s3, z3 = _metas(CScale, CZero, ps_cscale, ps_czero, page, slots, valid, NCH,
                                             DC, DCP, C_BITS, G, BLOCK_N)  # fmt: skip
     sr, zr = load_meta(RScale, RZero, ps_rscale, ps_rzero, page, slots, valid, DR, DR, R_BITS, G, BLOCK_N)
-    for t in range(t_lo, t_hi):
+    t_first = t_lo
+    if SWAP_SINK:  # page tile 0 on its own, its first SINK rows swapped for the protection buffer's
+        if (t_lo == 0) & (t_lo < t_hi):
+            slots, valid = _tile(t_lo, low_hi, SINK, TPP, BLOCK_N)
+            k0, k1, k2, k3 = _chunk_rows(CRows, CCodes, ps_crows, ps_ccodes, page, slots, valid, s0, z0, s1, z1, s2,
+                                         z2, s3, z3, NCH, DC, DCP, C_BITS, C_W, G, BLOCK_N, KV, INTERP)  # fmt: skip
+            kr = load_rows(RRows, RCodes, ps_rrows, ps_rcodes, page, slots, valid, sr, zr,
+                           DR, DR, R_BITS, R_W, G, BLOCK_N, KV, INTERP)  # fmt: skip
+            r = tl.arange(0, BLOCK_N)
+            sink = (r < SINK) & (r < L)
+            rows = PROT + b * stride_pb + r[:, None] * (DC + DR)
+            p0, p1, p2, p3 = _chunks(rows, cw[None, :], sink[:, None] & (cw[None, :] < DC), CW, NCH)
+            k0, k1, k2, k3 = _swap(sink, p0, p1, p2, p3, k0, k1, k2, k3, NCH)
+            kr = tl.where(sink[:, None], tl.load(rows + DC + dr[None, :], mask=sink[:, None], other=0.0), kr)
+            tn = tl.minimum(t_lo + 1, t_hi - 1)
+            page = tl.load(BT + b * stride_bt + tn // TPP).to(tl.int64)
+            slots_n, valid_n = _tile(tn, low_hi, SINK, TPP, BLOCK_N)
+            s0, z0, s1, z1, s2, z2, s3, z3 = _metas(CScale, CZero, ps_cscale, ps_czero, page, slots_n, valid_n, NCH,
+                                                    DC, DCP, C_BITS, G, BLOCK_N)  # fmt: skip
+            sr, zr = load_meta(RScale, RZero, ps_rscale, ps_rzero, page, slots_n, valid_n, DR, DR, R_BITS, G, BLOCK_N)
+            m_i, l_i, a0, a1, a2, a3 = _step(q0, q1, q2, q3, qpe, k0, k1, k2, k3, kr, valid | sink, m_i, l_i, a0, a1,
+                                             a2, a3, qk_scale, NCH, BLOCK_H, BLOCK_N, PV_SPLIT, IEEE, KV, INTERP)  # fmt: skip
+            t_first = t_lo + 1
+    for t in range(t_first, t_hi):
         slots, valid = _tile(t, low_hi, SINK, TPP, BLOCK_N)
         k0, k1, k2, k3 = _chunk_rows(CRows, CCodes, ps_crows, ps_ccodes, page, slots, valid, s0, z0, s1, z1, s2, z2,
                                      s3, z3, NCH, DC, DCP, C_BITS, C_W, G, BLOCK_N, KV, INTERP)  # fmt: skip
@@ -293,13 +330,15 @@ def _decode_kernel(
         m_i, l_i, a0, a1, a2, a3 = _step(q0, q1, q2, q3, qpe, k0, k1, k2, k3, kr, valid, m_i, l_i, a0, a1, a2, a3,
                                          qk_scale, NCH, BLOCK_H, BLOCK_N, PV_SPLIT, IEEE, KV, INTERP)  # fmt: skip
     if HAS_PROT:
-        # the protected rows (sink, then the ring of the latest RECENT) are this request's work tiles
-        # n_tiles, n_tiles + 1, …: the split whose share holds them attends to them (split_work)
+        # the protected rows (the sink unless page tile 0 took it, then the ring of the latest RECENT)
+        # are this request's work tiles n_tiles, n_tiles + 1, …: the split whose share holds one
+        # attends to it (split_work)
         ROWS: tl.constexpr = SINK + RECENT
+        R0: tl.constexpr = SINK if SWAP_SINK else 0
         p_lo = tl.maximum(t_lo - n_tiles, 0) * BLOCK_N
-        p_hi = tl.minimum(t_lo + tiles_per_split - n_tiles, (ROWS + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+        p_hi = tl.minimum(t_lo + tiles_per_split - n_tiles, (ROWS - R0 + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
         for r0 in range(p_lo, p_hi, BLOCK_N):
-            r = r0 + tl.arange(0, BLOCK_N)
+            r = R0 + r0 + tl.arange(0, BLOCK_N)
             ring = r - SINK
             base = tl.maximum(L - RECENT, 0)
             tok = tl.where(L <= RECENT, ring, base + (ring - base % RECENT + RECENT) % RECENT)
@@ -455,14 +494,22 @@ def _work(max_len: int, block_n: int, prot: tuple[int, int] | None, sink_in_tile
     return triton.cdiv(end, block_n), triton.cdiv(recent + (0 if sink_in_tile0 else sink), block_n)
 
 
+def swaps_sink(sink: int, block_n: int) -> bool:
+    """Whether the Triton kernel attends to the sink rows inside page tile 0 (swapped in from the
+    protection buffer) rather than as protected rows of their own: when they fit in one tile."""
+    return 0 < sink <= block_n
+
+
 def split_work(layer, max_len: int, block_n: int, num_splits: int, sink_in_tile0: bool = False) -> tuple[int, int]:
     """(splits, tiles per split) for ``num_splits`` requested: the work tiles of :func:`_work`
     (page tiles, then protected tiles) cut into equal shares. Split ``s`` takes a request's work
     tiles ``s·per … (s+1)·per − 1``; those past its page tiles are its protected tiles, so a short
     request's protected rows fall to earlier splits, and they spread over several splits where a
-    share is shorter than they are. (The Triton kernel attends to sink and ring as 132 rows, 3
-    tiles of 64; the Gluon kernel swaps the sink into page tile 0, ``sink_in_tile0``: 2 tiles, all
-    in its last split.)"""
+    share is shorter than they are. With ``sink_in_tile0`` (the Triton kernel where
+    :func:`swaps_sink`, and the Gluon kernel) the sink rides in page tile 0 and the protected tiles
+    are the ring's: 2 of 64 for the default 128 rows, as many as BF16 reads there; else sink and
+    ring are 132 rows, 3 tiles (the register-fed kernel). The Gluon kernel attends to its ring
+    tiles in its last split."""
     work = max(1, sum(_work(max_len, block_n, _protected(layer), sink_in_tile0)))
     splits = max(1, min(num_splits, work))
     per = triton.cdiv(work, splits)
@@ -526,19 +573,33 @@ def uses_mma16(layer, H: int, cfg: dict, device, per: int) -> bool:
     return m is not None and m.applies(layer, H, device)
 
 
-def plan(layer, H: int, cfg: dict, device, max_len: int) -> tuple[str, int, int]:
-    """(kernel, splits, tiles per split) for a decode with tiles ``cfg``: ``"gluon"`` where
-    :func:`uses_gluon` takes the shape with its own work count, ``"mma16"`` where
-    :func:`uses_mma16` does, else ``"triton"`` (whose configs, without ``gluon``, count their work
-    once: this runs for every decode call)."""
+class Plan(NamedTuple):
+    """What :func:`decode` launches: the kernel (``"gluon"``, ``"mma16"`` or ``"triton"``), its
+    splits and work tiles per split, and whether the sink rides in page tile 0."""
+
+    kernel: str
+    splits: int
+    per: int
+    sink_in_tile0: bool
+
+
+def plan(layer, H: int, cfg: dict, device, max_len: int) -> Plan:
+    """The :class:`Plan` for a decode with tiles ``cfg``: the Gluon kernel where :func:`uses_gluon`
+    takes the shape with its own work count, the register-fed one where :func:`uses_mma16` does,
+    else the Triton kernel. That one takes the sink into page tile 0 (one work tile fewer) at up to
+    16 heads where splits hold more than one tile: alone, the peeled tile 0 takes longer than a
+    protected tile of its own (bench/NOTES.md, v22)."""
+    bn, ns = cfg["block_n"], int(cfg["num_splits"])
     if cfg.get("gluon"):
-        splits, per = split_work(layer, max_len, cfg["block_n"], int(cfg["num_splits"]), sink_in_tile0=True)
+        splits, per = split_work(layer, max_len, bn, ns, sink_in_tile0=True)
         if uses_gluon(layer, H, cfg, device, per):
-            return "gluon", splits, per
-    splits, per = split_work(layer, max_len, cfg["block_n"], int(cfg["num_splits"]))
+            return Plan("gluon", splits, per, True)
+    splits, per = split_work(layer, max_len, bn, ns)
     if uses_mma16(layer, H, cfg, device, per):
-        return "mma16", splits, per
-    return "triton", splits, per
+        return Plan("mma16", splits, per, False)
+    if per > 1 and H <= 16 and layer.prot is not None and swaps_sink(layer.sink, bn):
+        return Plan("triton", *split_work(layer, max_len, bn, ns, sink_in_tile0=True), True)
+    return Plan("triton", splits, per, False)
 
 
 def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | None = None, out=None):
@@ -552,7 +613,7 @@ def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | 
     block_h, block_n = cfg["block_h"], cfg["block_n"]
     if block_h < 16 or block_n < 16 or PAGE % block_n or (block_h & (block_h - 1)):
         raise ValueError(f"decode tiles: block_n must divide {PAGE}, both powers of two of at least 16; got {cfg}")
-    kernel, splits, per = plan(layer, H, cfg, dev, max_len)
+    kernel, splits, per, sink_in_tile0 = plan(layer, H, cfg, dev, max_len)
     q = q_lat.to(fmt.dtype).contiguous()
     qpe = q_pe.to(fmt.dtype).contiguous()
     o, lse = out if out is not None else (torch.empty(B, H, fmt.d_c, dtype=torch.float32, device=dev), None)
@@ -565,7 +626,7 @@ def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | 
     elif kernel == "mma16":
         _mma16().decode(layer, block_table, lengths, q, qpe, op, lsep, tau, splits, per)
     else:
-        _launch(layer, block_table, lengths, q, qpe, op, lsep, tau, cfg, splits, per)
+        _launch(layer, block_table, lengths, q, qpe, op, lsep, tau, cfg, splits, per, sink_in_tile0)
     merge(op, lsep, o, lse)
     return o, lse
 
@@ -595,9 +656,9 @@ def merge(op, lsep, o, lse) -> None:
     )
 
 
-def _launch(layer, block_table, lengths, q, qpe, op, lsep, tau, cfg, splits, per):
+def _launch(layer, block_table, lengths, q, qpe, op, lsep, tau, cfg, splits, per, sink_in_tile0):
     """The Triton decode kernel over ``splits`` splits of ``per`` work tiles (partials into
-    ``op``/``lsep`` when split)."""
+    ``op``/``lsep`` when split), the sink in page tile 0 or in the protected tiles."""
     fmt = layer.fmt
     B, H, _ = q.shape
     block_h, block_n = cfg["block_h"], cfg["block_n"]
@@ -637,6 +698,7 @@ def _launch(layer, block_table, lengths, q, qpe, op, lsep, tau, cfg, splits, per
         SINK=layer.sink,
         RECENT=layer.recent,
         HAS_PROT=layer.prot is not None,
+        SWAP_SINK=sink_in_tile0,
         PAGE_SIZE=PAGE,
         BLOCK_H=block_h,
         BLOCK_N=block_n,
