@@ -329,16 +329,18 @@ def test_gluon_decode_matches_reference(cb, H, splits, extra, kernel):
 def test_gluon_kernel_applies_only_where_it_was_written_for():
     """The Gluon path takes C4R4 and C2R4 in BF16 with protection, above 16 heads, P as one BF16
     tile, 64-token tiles and at least GLUON_MIN_TILES tiles per split on a Hopper GPU; anything
-    else (the interpreter, C4R8, 16 heads, the hi/lo P, other tiles, ``gluon=False``, short
-    splits) runs the Triton kernel."""
+    else (the interpreter, C4R8, a sink longer than page tile 0, 16 heads, the hi/lo P, other tiles,
+    ``gluon=False``, short splits) runs the Triton kernel."""
     from quantmla.kernels.triton_decode import GLUON_MIN_TILES, default_config, uses_gluon
 
     gen = torch.Generator().manual_seed(8)
     layer, _, _, _, _ = filled_layer(PageFormat(4, 4), [70], gen)
     c2, _, _, _, _ = filled_layer(PageFormat(2, 4), [70], gen)
     c4r8, _, _, _, _ = filled_layer(PageFormat(4, 8), [70], gen)
+    long_sink, _, _, _, _ = filled_layer(PageFormat(4, 4), [70], gen, sink=65)  # more than page tile 0 holds
     dev = torch.device(DEVICE)
     cfg = default_config(1, 128, 70, layer, dev, {})
+    assert not uses_gluon(long_sink, 128, cfg, dev, 8)
     assert uses_gluon(layer, 128, cfg, dev, GLUON_MIN_TILES) == _hopper()
     assert not uses_gluon(layer, 128, cfg, dev, GLUON_MIN_TILES - 1)
     assert uses_gluon(c2, 128, cfg, dev, 8) == _hopper()
