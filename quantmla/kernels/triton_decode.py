@@ -138,6 +138,20 @@ def _metas(scale_ptr, zero_ptr, ps_scale, ps_zero, page, slots, valid, NCH: tl.c
 
 
 @triton.jit
+def _ahead(bt_row, tn, low_hi, CScale, CZero, ps_cscale, ps_czero, RScale, RZero, ps_rscale, ps_rzero,
+           SINK: tl.constexpr, TPP: tl.constexpr, NCH: tl.constexpr, DC: tl.constexpr, DCP: tl.constexpr,
+           C_BITS: tl.constexpr, DR: tl.constexpr, R_BITS: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """Tile ``tn``'s block-table entry and its content and RoPE scales and zero-points, ``(page,
+    s0, z0, ..., s3, z3, sr, zr)``: loaded a tile ahead, so their latency hides behind a tile's work."""
+    page = tl.load(bt_row + tn // TPP).to(tl.int64)
+    slots, valid = _tile(tn, low_hi, SINK, TPP, BLOCK_N)
+    s0, z0, s1, z1, s2, z2, s3, z3 = _metas(CScale, CZero, ps_cscale, ps_czero, page, slots, valid, NCH,
+                                            DC, DCP, C_BITS, G, BLOCK_N)  # fmt: skip
+    sr, zr = load_meta(RScale, RZero, ps_rscale, ps_rzero, page, slots, valid, DR, DR, R_BITS, G, BLOCK_N)
+    return page, s0, z0, s1, z1, s2, z2, s3, z3, sr, zr
+
+
+@triton.jit
 def _chunk_rows(rows_ptr, codes_ptr, ps_rows, ps_codes, page, slots, valid, s0, z0, s1, z1, s2, z2, s3, z3,
                 NCH: tl.constexpr, DC: tl.constexpr, DCP: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr,
                 G: tl.constexpr, BLOCK_N: tl.constexpr, KV: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
@@ -306,12 +320,9 @@ def _decode_kernel(
             p0, p1, p2, p3 = _chunks(rows, cw[None, :], sink[:, None] & (cw[None, :] < DC), CW, NCH)
             k0, k1, k2, k3 = _swap(sink, p0, p1, p2, p3, k0, k1, k2, k3, NCH)
             kr = tl.where(sink[:, None], tl.load(rows + DC + dr[None, :], mask=sink[:, None], other=0.0), kr)
-            tn = tl.minimum(t_lo + 1, t_hi - 1)
-            page = tl.load(BT + b * stride_bt + tn // TPP).to(tl.int64)
-            slots_n, valid_n = _tile(tn, low_hi, SINK, TPP, BLOCK_N)
-            s0, z0, s1, z1, s2, z2, s3, z3 = _metas(CScale, CZero, ps_cscale, ps_czero, page, slots_n, valid_n, NCH,
-                                                    DC, DCP, C_BITS, G, BLOCK_N)  # fmt: skip
-            sr, zr = load_meta(RScale, RZero, ps_rscale, ps_rzero, page, slots_n, valid_n, DR, DR, R_BITS, G, BLOCK_N)
+            page, s0, z0, s1, z1, s2, z2, s3, z3, sr, zr = _ahead(
+                BT + b * stride_bt, tl.minimum(t_lo + 1, t_hi - 1), low_hi, CScale, CZero, ps_cscale, ps_czero, RScale,
+                RZero, ps_rscale, ps_rzero, SINK, TPP, NCH, DC, DCP, C_BITS, DR, R_BITS, G, BLOCK_N)  # fmt: skip
             m_i, l_i, a0, a1, a2, a3 = _step(q0, q1, q2, q3, qpe, k0, k1, k2, k3, kr, valid | sink, m_i, l_i, a0, a1,
                                              a2, a3, qk_scale, NCH, BLOCK_H, BLOCK_N, PV_SPLIT, IEEE, KV, INTERP)  # fmt: skip
             t_first = t_lo + 1
@@ -321,12 +332,9 @@ def _decode_kernel(
                                      s3, z3, NCH, DC, DCP, C_BITS, C_W, G, BLOCK_N, KV, INTERP)  # fmt: skip
         kr = load_rows(RRows, RCodes, ps_rrows, ps_rcodes, page, slots, valid, sr, zr,
                        DR, DR, R_BITS, R_W, G, BLOCK_N, KV, INTERP)  # fmt: skip
-        tn = tl.minimum(t + 1, t_hi - 1)
-        page = tl.load(BT + b * stride_bt + tn // TPP).to(tl.int64)
-        slots_n, valid_n = _tile(tn, low_hi, SINK, TPP, BLOCK_N)
-        s0, z0, s1, z1, s2, z2, s3, z3 = _metas(CScale, CZero, ps_cscale, ps_czero, page, slots_n, valid_n, NCH,
-                                                DC, DCP, C_BITS, G, BLOCK_N)  # fmt: skip
-        sr, zr = load_meta(RScale, RZero, ps_rscale, ps_rzero, page, slots_n, valid_n, DR, DR, R_BITS, G, BLOCK_N)
+        page, s0, z0, s1, z1, s2, z2, s3, z3, sr, zr = _ahead(
+            BT + b * stride_bt, tl.minimum(t + 1, t_hi - 1), low_hi, CScale, CZero, ps_cscale, ps_czero, RScale, RZero,
+            ps_rscale, ps_rzero, SINK, TPP, NCH, DC, DCP, C_BITS, DR, R_BITS, G, BLOCK_N)  # fmt: skip
         m_i, l_i, a0, a1, a2, a3 = _step(q0, q1, q2, q3, qpe, k0, k1, k2, k3, kr, valid, m_i, l_i, a0, a1, a2, a3,
                                          qk_scale, NCH, BLOCK_H, BLOCK_N, PV_SPLIT, IEEE, KV, INTERP)  # fmt: skip
     if HAS_PROT:
