@@ -503,8 +503,9 @@ def _work(max_len: int, block_n: int, prot: tuple[int, int] | None, sink_in_tile
 
 
 def swaps_sink(sink: int, block_n: int) -> bool:
-    """Whether the Triton kernel attends to the sink rows inside page tile 0 (swapped in from the
-    protection buffer) rather than as protected rows of their own: when they fit in one tile."""
+    """Whether the Triton kernel can attend to the sink rows inside page tile 0 (swapped in from
+    the protection buffer) rather than as protected rows of their own: when they fit in one tile
+    (:func:`plan` decides where it does)."""
     return 0 < sink <= block_n
 
 
@@ -513,8 +514,8 @@ def split_work(layer, max_len: int, block_n: int, num_splits: int, sink_in_tile0
     (page tiles, then protected tiles) cut into equal shares. Split ``s`` takes a request's work
     tiles ``s·per … (s+1)·per − 1``; those past its page tiles are its protected tiles, so a short
     request's protected rows fall to earlier splits, and they spread over several splits where a
-    share is shorter than they are. With ``sink_in_tile0`` (the Triton kernel where
-    :func:`swaps_sink`, and the Gluon kernel) the sink rides in page tile 0 and the protected tiles
+    share is shorter than they are. With ``sink_in_tile0`` (the Triton kernel where :func:`plan`
+    chooses it, and the Gluon kernel) the sink rides in page tile 0 and the protected tiles
     are the ring's: 2 of 64 for the default 128 rows, as many as BF16 reads there; else sink and
     ring are 132 rows, 3 tiles (the register-fed kernel). The Gluon kernel attends to its ring
     tiles in its last split."""
