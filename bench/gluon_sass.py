@@ -1,15 +1,19 @@
-"""Compile the Gluon decode kernel for sm_90 without a GPU and summarize its SASS.
+"""Compile the decode kernels for sm_90 without a GPU and summarize their SASS.
 
-    python bench/gluon_sass.py            # C4R4 and C2R4
+    python bench/gluon_sass.py            # the Gluon kernel, C4R4 and C2R4
     python bench/gluon_sass.py --bits 4 --keep /tmp/g4.sass
     python bench/gluon_sass.py --mma16    # the 16-head register-fed kernel (quantmla/kernels/mma_decode.py)
+    python bench/gluon_sass.py --triton   # the Triton kernel at 16 heads, sink in page tile 0 and not
 
 Prints, per content width: registers, stack (spill) bytes, shared memory, and for each loop of
 the kernel its instruction count, its HGMMA (wgmma) and HMMA (mma.sync) counts, and its ``BSSY`` count (divergent regions:
 bench/NOTES.md, v16, found the page loop 4-6 % faster when ptxas compiles its cross-warp
 reductions predicated, with none). Uses the installed Triton's compiler and ``cuobjdump``; the
 H200 runs Triton 3.6, whose ``ptxas`` is the one the notes quote (other versions schedule
-differently). ``GluonASTSource`` is Triton's private API: this is a measuring tool, not part of
+differently). With ``--triton`` it prints the Triton kernel's registers, spills, shared memory
+and its ``HMMA`` (mma.sync) counts by kind: on a machine without a GPU, this is the check that the
+kernel compiles for Hopper with BF16 tensor-core products (the interpreter does not compile).
+``GluonASTSource`` and ``ASTSource`` are Triton's private API: this is a measuring tool, not part of
 the package.
 """
 
@@ -21,6 +25,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import triton
@@ -58,6 +63,43 @@ def compile_sass(bits: int, mma16: bool = False) -> tuple[str, str, int]:
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = GluonASTSource(k, sig, constexprs=consts, attrs=attrs)
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+    return _sass(c)
+
+
+def compile_triton_sass(bits: int, sink_in_tile0: bool) -> tuple[str, str, int]:
+    """(SASS text, resource line, shared bytes) of the Triton decode kernel
+    (:mod:`quantmla.kernels.triton_decode`) with its 16-head tiles, for ``bits``-bit content codes
+    and 4-bit RoPE codes in a BF16 cache, the sink in page tile 0 or among the protected tiles."""
+    import torch
+    from triton.compiler import ASTSource
+
+    from quantmla.kernels import PagedLayer, PageFormat, triton_decode
+    from quantmla.kernels._tiles import region_args
+
+    layer = PagedLayer(PageFormat(bits, 4), 1, "cpu", batch=1, sink=4, recent=128)
+    cfg = dict(triton_decode.TILES[(False, True)], block_h=16)
+    consts = triton_decode.constexprs(layer, cfg, True, sink_in_tile0) | dict(INTERP=False)
+    types = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.uint8: "u8", torch.int32: "i32"}
+    regions = dict(zip(("CRows", "CCodes", "CScale", "CZero"), region_args(layer, "C")[:4]))
+    regions |= dict(zip(("RRows", "RCodes", "RScale", "RZero"), region_args(layer, "R")[:4]))
+    k = triton_decode._decode_kernel
+    sig, attrs = {}, {}
+    for i, n in enumerate(k.arg_names):
+        if n in consts:
+            sig[n] = "constexpr"
+        elif n in regions or n in POINTERS:
+            sig[n] = "*" + (types[regions[n].dtype] if n in regions else POINTERS[n])
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[n] = "fp32" if n == "qk_scale" else "i32"
+    src = ASTSource(k, sig, constexprs={(k.arg_names.index(n),): v for n, v in consts.items()}, attrs=attrs)
+    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg["num_warps"],
+                                                                          num_stages=cfg["num_stages"]))  # fmt: skip
+    return _sass(c)
+
+
+def _sass(c) -> tuple[str, str, int]:
+    """(SASS text, resource line, shared bytes) of compiled kernel ``c`` (``cuobjdump`` of its cubin)."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(c.asm["cubin"])
@@ -86,8 +128,17 @@ def main() -> None:
     ap.add_argument("--bits", type=int, choices=(2, 4), nargs="*", default=[4, 2])
     ap.add_argument("--keep", help="also write the SASS here (one width only)")
     ap.add_argument("--mma16", action="store_true", help="the 16-head register-fed kernel instead (C4R4)")
+    ap.add_argument("--triton", action="store_true", help="the Triton kernel at 16 heads instead")
     args = ap.parse_args()
     print(f"triton {triton.__version__}, sm_90")
+    if args.triton:
+        for bits in args.bits:
+            for swap in (True, False):
+                sass, res, shared = compile_triton_sass(bits, swap)
+                ops = re.findall(r"\b(HMMA\.\w+(?:\.\w+)*)", sass)
+                kinds = ", ".join(f"{n} {o}" for o, n in sorted(Counter(ops).items()))
+                print(f"triton C{bits}R4 sink_in_tile0={swap}: {res} shared={shared} B, {len(ops)} HMMA ({kinds})")
+        return
     for bits in [4] if args.mma16 else args.bits:
         sass, res, shared = compile_sass(bits, args.mma16)
         if args.keep:

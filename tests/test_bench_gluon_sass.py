@@ -5,7 +5,8 @@ the 16-head register-fed kernel, whose page and protected-row loops each issue o
 mma.sync per warp. Neither kernel's loops may hold a divergent region (BSSY): the 128-head
 kernel's speed rests on ptxas predicating the page loop's cross-warp reduction stores instead
 of wrapping them in six BSSY/BSYNC regions, a compiler decision a kernel change can flip
-(bench/NOTES.md, v16)."""
+(bench/NOTES.md, v16). And the Triton decode kernel, which the CPU tests otherwise run only in
+the interpreter, compiled for sm_90 to BF16 tensor-core products."""
 
 import os
 import re
@@ -51,3 +52,26 @@ def test_register_fed_kernel_compiles_for_hopper_with_one_tile_per_loop_iteratio
     # 8 warps one (scores 8 x (4 + one k8 RoPE block), P·V 4 x 8)
     per_tile = {4: 136, 8: 72}[mma_decode.WARPS]
     assert [tuple(map(int, t)) for t in loops] == [(0, per_tile, 0), (0, per_tile, 0)], r.stdout
+
+
+def test_triton_decode_kernel_compiles_for_hopper_with_bf16_tensor_core_products():
+    """The Triton decode kernel at 16 heads (4 warps, 64-token tiles, hi/lo P) compiled for sm_90:
+    only BF16 m16n8k16 products, one tile's worth per tile body: per warp 16 x 16 scores over 576
+    channels (2 x 36) and, per content chunk of 128 channels, 16 x 32 outputs over 64 tokens twice
+    (4 x 4 x 4 x 2), 200 in all. The page loop and the protected rows' loop are two bodies; with the
+    sink in page tile 0 the peeled tile is a third."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run(
+        [sys.executable, "bench/gluon_sass.py", "--triton", "--bits", "4"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    per_tile = 2 * 36 + 4 * 4 * 4 * 2
+    for swap, bodies in (("True", 3), ("False", 2)):
+        m = re.search(
+            rf"triton C4R4 sink_in_tile0={swap}: REG:\d+ STACK:\d+ shared=(\d+) B, (\d+) HMMA \((.*)\)", r.stdout
+        )
+        assert m and int(m.group(1)) <= 227 * 1024 // 2, r.stdout  # two programs per SM
+        assert int(m.group(2)) == bodies * per_tile and m.group(3) == f"{bodies * per_tile} HMMA.16816.F32.BF16", (
+            r.stdout
+        )

@@ -665,15 +665,41 @@ def merge(op, lsep, o, lse) -> None:
     )
 
 
+def constexprs(layer, cfg: dict, split: bool, sink_in_tile0: bool) -> dict:
+    """The decode kernel's compile-time arguments for ``layer`` and tiles ``cfg`` (also what
+    ``bench/gluon_sass.py --triton`` compiles for sm_90 without a GPU)."""
+    fmt = layer.fmt
+    return dict(
+        DC=fmt.d_c,
+        DCP=padded(fmt.d_c),
+        DR=fmt.d_r,
+        G=fmt.group,
+        C_BITS=fmt.content_bits,
+        R_BITS=fmt.rope_bits,
+        C_W=container_bits(fmt.content_bits),
+        R_W=container_bits(fmt.rope_bits),
+        SINK=layer.sink,
+        RECENT=layer.recent,
+        HAS_PROT=layer.prot is not None,
+        SWAP_SINK=sink_in_tile0,
+        PAGE_SIZE=PAGE,
+        BLOCK_H=cfg["block_h"],
+        BLOCK_N=cfg["block_n"],
+        NCH=chunks(fmt, cfg.get("chunks", 1)),
+        SPLIT=split,
+        PV_SPLIT=fmt.dtype != torch.float32 and cfg.get("pv_split", True),
+        IEEE=fmt.dtype == torch.float32,
+        KV=tl_dtype(fmt.dtype),
+        INTERP=INTERPRET,
+    )
+
+
 def _launch(layer, block_table, lengths, q, qpe, op, lsep, tau, cfg, splits, per, sink_in_tile0):
     """The Triton decode kernel over ``splits`` splits of ``per`` work tiles (partials into
     ``op``/``lsep`` when split), the sink in page tile 0 or in the protected tiles."""
-    fmt = layer.fmt
     B, H, _ = q.shape
-    block_h, block_n = cfg["block_h"], cfg["block_n"]
-    split = splits > 1
     prot = layer.prot if layer.prot is not None else q
-    grid = (triton.cdiv(H, block_h), splits, B)
+    grid = (triton.cdiv(H, cfg["block_h"]), splits, B)
     _decode_kernel[grid](
         q,
         qpe,
@@ -696,27 +722,7 @@ def _launch(layer, block_table, lengths, q, qpe, op, lsep, tau, cfg, splits, per
         block_table.stride(0),
         per,
         tau * LOG2E,
-        DC=fmt.d_c,
-        DCP=padded(fmt.d_c),
-        DR=fmt.d_r,
-        G=fmt.group,
-        C_BITS=fmt.content_bits,
-        R_BITS=fmt.rope_bits,
-        C_W=container_bits(fmt.content_bits),
-        R_W=container_bits(fmt.rope_bits),
-        SINK=layer.sink,
-        RECENT=layer.recent,
-        HAS_PROT=layer.prot is not None,
-        SWAP_SINK=sink_in_tile0,
-        PAGE_SIZE=PAGE,
-        BLOCK_H=block_h,
-        BLOCK_N=block_n,
-        NCH=chunks(fmt, cfg.get("chunks", 1)),
-        SPLIT=split,
-        PV_SPLIT=fmt.dtype != torch.float32 and cfg.get("pv_split", True),
-        IEEE=fmt.dtype == torch.float32,
-        KV=tl_dtype(fmt.dtype),
-        INTERP=INTERPRET,
+        **constexprs(layer, cfg, splits > 1, sink_in_tile0),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         maxnreg=cfg.get("maxnreg"),
