@@ -115,7 +115,7 @@ def test_decode_sink_in_page_tile_zero_or_among_the_protected_tiles(sink, block_
     to the pages (reading a page's sink row instead moves the output), ragged requests, some
     shorter than the sink or than the recent window, and 1 to 64 splits: the reference's
     output either way, every output written."""
-    from quantmla.kernels.triton_decode import default_config, plan, swaps_sink
+    from quantmla.kernels.triton_decode import default_config, plan, split_work, swaps_sink
 
     assert swaps_sink(sink, block_n) == (0 < sink <= block_n)
     gen = torch.Generator().manual_seed(31 + sink + block_n)
@@ -128,7 +128,8 @@ def test_decode_sink_in_page_tile_zero_or_among_the_protected_tiles(sink, block_
         out = _poisoned(len(lengths), 16)
         cfg = dict(block_n=block_n, num_splits=splits)
         p = plan(layer, 16, default_config(len(lengths), 16, 300, layer, q.device, cfg), q.device, 300)
-        assert p.sink_in_tile0 == (swaps_sink(sink, block_n) and p.per > 1), (splits, p)
+        three = split_work(layer, 300, block_n, splits)[1]  # tiles per split with the sink a protected tile
+        assert p.sink_in_tile0 == (swaps_sink(sink, block_n) and three > 1), (splits, p)
         o, lse = kernels.decode(layer, bt, lens, q, qp, 576**-0.5, "triton", cfg, out=out)
         assert not torch.isnan(o).any() and not torch.isnan(lse).any()
         assert rel(o, o_ref) < TOL and rel(lse, lse_ref) < TOL and same_inf(lse, lse_ref), splits
