@@ -408,3 +408,23 @@ def region_args(layer, path: str) -> tuple:
     tensors = tuple(v.get(n, dummy) for n in names)
     strides = tuple(t.stride(0) for t in tensors)
     return tensors + strides
+
+
+def layer_constexprs(layer) -> dict:
+    """The compile-time arguments that describe ``layer``'s pages to a kernel (the writer's and
+    the decode kernel's): latent widths, group, bits and containers of both paths, protection."""
+    fmt = layer.fmt
+    return dict(
+        DC=fmt.d_c,
+        DCP=padded(fmt.d_c),
+        DR=fmt.d_r,
+        G=fmt.group,
+        C_BITS=fmt.content_bits,
+        R_BITS=fmt.rope_bits,
+        C_W=container_bits(fmt.content_bits),
+        R_W=container_bits(fmt.rope_bits),
+        SINK=layer.sink,
+        RECENT=layer.recent,
+        HAS_PROT=layer.prot is not None,
+        PAGE_SIZE=PAGE,
+    )

@@ -36,8 +36,8 @@ from quantmla.kernels._tiles import (
     INTERPRET,
     PAGE_TOKENS,
     anchor,
-    container_bits,
     dot,
+    layer_constexprs,
     load_meta,
     load_rows,
     online_softmax,
@@ -669,20 +669,8 @@ def constexprs(layer, cfg: dict, split: bool, sink_in_tile0: bool) -> dict:
     """The decode kernel's compile-time arguments for ``layer`` and tiles ``cfg`` (also what
     ``bench/gluon_sass.py --triton`` compiles for sm_90 without a GPU)."""
     fmt = layer.fmt
-    return dict(
-        DC=fmt.d_c,
-        DCP=padded(fmt.d_c),
-        DR=fmt.d_r,
-        G=fmt.group,
-        C_BITS=fmt.content_bits,
-        R_BITS=fmt.rope_bits,
-        C_W=container_bits(fmt.content_bits),
-        R_W=container_bits(fmt.rope_bits),
-        SINK=layer.sink,
-        RECENT=layer.recent,
-        HAS_PROT=layer.prot is not None,
+    return layer_constexprs(layer) | dict(
         SWAP_SINK=sink_in_tile0,
-        PAGE_SIZE=PAGE,
         BLOCK_H=cfg["block_h"],
         BLOCK_N=cfg["block_n"],
         NCH=chunks(fmt, cfg.get("chunks", 1)),

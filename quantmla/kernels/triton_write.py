@@ -11,8 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from quantmla.kernels._tiles import INTERPRET, container_bits, padded, quantize_store, region_args, tl_dtype
-from quantmla.kernels.layout import PAGE
+from quantmla.kernels._tiles import INTERPRET, layer_constexprs, quantize_store, region_args, tl_dtype
 
 
 @triton.jit
@@ -115,18 +114,7 @@ def write(layer, block_table, C, K_P, req, pos, lens_after, block_t: int | None 
         K_P.stride(0),
         block_table.stride(0),
         prot.stride(0),
-        DC=fmt.d_c,
-        DCP=padded(fmt.d_c),
-        DR=fmt.d_r,
-        G=fmt.group,
-        C_BITS=fmt.content_bits,
-        R_BITS=fmt.rope_bits,
-        C_W=container_bits(fmt.content_bits),
-        R_W=container_bits(fmt.rope_bits),
-        SINK=layer.sink,
-        RECENT=layer.recent,
-        HAS_PROT=layer.prot is not None,
-        PAGE_SIZE=PAGE,
+        **layer_constexprs(layer),
         BLOCK_T=block_t,
         OUT=tl_dtype(fmt.dtype),
         num_warps=4,
