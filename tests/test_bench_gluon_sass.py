@@ -6,7 +6,8 @@ mma.sync per warp. Neither kernel's loops may hold a divergent region (BSSY): th
 kernel's speed rests on ptxas predicating the page loop's cross-warp reduction stores instead
 of wrapping them in six BSSY/BSYNC regions, a compiler decision a kernel change can flip
 (bench/NOTES.md, v16). And the Triton decode kernel, which the CPU tests otherwise run only in
-the interpreter, compiled for sm_90 to BF16 tensor-core products."""
+the interpreter, compiled for sm_90 to BF16 tensor-core products; and the register-fed wgmma
+score probe beside them (bench/prototypes/rega16.py)."""
 
 import os
 import re
@@ -75,3 +76,27 @@ def test_triton_decode_kernel_compiles_for_hopper_with_bf16_tensor_core_products
         assert int(m.group(2)) == bodies * per_tile and m.group(3) == f"{bodies * per_tile} HMMA.16816.F32.BF16", (
             r.stdout
         )
+
+
+def test_register_fed_wgmma_score_probe_compiles_for_hopper():
+    """bench/prototypes/rega16.py (the 16-head score product with wgmma taking the reconstructed keys
+    from registers, bench/NOTES.md v23) compiles for sm_90: its layout conversion into the wgmma A
+    operand moves no data (``assert_trivial``), and each tile issues 9 groups x 4 k-steps = 36 HGMMA,
+    no mma.sync and no spill, whichever wait it uses; the reconstruction-only variant issues none."""
+    pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run(
+        [sys.executable, "bench/prototypes/rega16.py", "--sass"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    found = re.findall(r"MODE (\d) WAIT (-?\d+): REG:\d+ STACK:(\d+), \d+ B shared, loops \[\{'instructions': \d+, "
+                       r"'hgmma': (\d+), 'hmma': (\d+)", r.stdout)  # fmt: skip
+    got = {(int(m), int(w)): (int(s), int(g), int(h)) for m, w, s, g, h in found}
+    assert got == {
+        (0, -1): (0, 36, 0),
+        (0, 1): (0, 36, 0),
+        (0, 0): (0, 36, 0),
+        (1, -1): (0, 0, 0),
+        (2, -1): (0, 36, 0),
+    }, r.stdout
