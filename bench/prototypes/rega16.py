@@ -1,6 +1,7 @@
 """How fast can the 16-head score product run when wgmma takes the reconstructed keys from registers?
 
     python bench/prototypes/rega16.py            # H200: check one tile against float64, then time
+    python bench/prototypes/rega16.py --batch 1 --length 131072   # as many tokens as H=16, B=1, L=128K
     python bench/prototypes/rega16.py --sass     # no GPU: compile for sm_90 and count the loop
 
 A measuring kernel, not a decode: it computes S^T = K̂ q^T for 16 heads over flat 64-token tiles of
@@ -184,6 +185,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sass", action="store_true", help="compile for sm_90 and count the loop (no GPU)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--batch", type=int, default=32, help="tokens = batch x length, 16 heads (default B=32)")
+    ap.add_argument("--length", type=int, default=32768)
     args = ap.parse_args()
     if args.sass:
         sys.path.insert(0, str(ROOT / "bench"))
@@ -203,7 +206,7 @@ def main() -> None:
 
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
-    T = 32 * 32768  # the tokens of H=16, B=32, L=32K
+    T = args.batch * args.length
     W = torch.randint(-(2**31), 2**31 - 1, (T, WORDS.value), device=dev, dtype=torch.int32, generator=gen)
     S = (torch.rand(T, GROUPS.value, device=dev, generator=gen) * 0.3 + 0.05).to(torch.bfloat16)
     Z = torch.randint(0, 16, (T, GROUPS.value), device=dev, dtype=torch.uint8, generator=gen)
@@ -234,13 +237,14 @@ def main() -> None:
                              cycles_per_token_sm=cyc))  # fmt: skip
             print(rows[-1], flush=True)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    sh = Shape(16, 32, 32768, gen, l2, formats={"c16r16": (16, 16), "c4r4": (4, 4)})
+    sh = Shape(16, args.batch, args.length, gen, l2, formats={"c16r16": (16, 16), "c4r4": (4, 4)})
     base = dict(c16r16_ms=sh.time("c16r16", {}), c4r4_ms=sh.time("c4r4", {}),
                 c16r16_bf16_p_ms=sh.time("c16r16", dict(pv_split=False)))  # fmt: skip
     print(base, flush=True)
     stamp = datetime.datetime.now()
-    meta = run_meta(torch.cuda.get_device_properties(0), stamp, "python bench/prototypes/rega16.py")
-    meta.update(tokens=T, stored_bytes=stored, rows=rows, decode_h16_b32_l32k=base)
+    cmd = f"python bench/prototypes/rega16.py --batch {args.batch} --length {args.length}"
+    meta = run_meta(torch.cuda.get_device_properties(0), stamp, cmd)
+    meta.update(tokens=T, stored_bytes=stored, rows=rows, decode_h16=dict(B=args.batch, L=args.length, **base))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     path = Path(args.out) / f"rega16-{stamp:%Y%m%d-%H%M%S}.json"
     path.write_text(json.dumps(meta, indent=1))
