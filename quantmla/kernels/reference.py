@@ -65,9 +65,10 @@ def write(layer, block_table, C, K_P, req, pos, lens_after) -> None:
         layer.prot[req[ring], layer.sink + pos[ring] % layer.recent] = row[ring]
 
 
-def stored_rows(layer, block_table, b: int, L: int) -> tuple[torch.Tensor, torch.Tensor]:
+def stored_rows(layer, block_table, b: int, L: int, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Request ``b``'s first ``L`` tokens as stored in the pages: (C, K_P) in the cache dtype
-    (dequantized for quantized paths)."""
+    (dequantized for quantized paths); with ``exact``, float64 rows with the quantized paths'
+    ``s·(q − z)`` computed in float64 (exact) and not rounded."""
     fmt = layer.fmt
     idx = torch.arange(L, device=block_table.device)
     page = block_table[b, idx // PAGE].long()
@@ -76,7 +77,12 @@ def stored_rows(layer, block_table, b: int, L: int) -> tuple[torch.Tensor, torch
     for path, bits in (("C", fmt.content_bits), ("R", fmt.rope_bits)):
         v = layer.views
         if bits == 16:
-            out.append(v[f"{path}_rows"][page, slot])
+            out.append(v[f"{path}_rows"][page, slot].to(torch.float64) if exact else v[f"{path}_rows"][page, slot])
+            continue
+        if exact:
+            q = unpack(v[f"{path}_codes"][page, slot].flatten(-2), bits).double().unflatten(-1, (-1, fmt.group))
+            s, z = v[f"{path}_scale"][page, slot].double(), v[f"{path}_zero"][page, slot].double()
+            out.append((s.unsqueeze(-1) * (q - z.unsqueeze(-1))).flatten(-2))
             continue
         qt = QTensor(
             codes=unpack(v[f"{path}_codes"][page, slot].flatten(-2), bits),
@@ -89,15 +95,19 @@ def stored_rows(layer, block_table, b: int, L: int) -> tuple[torch.Tensor, torch
     return out[0], out[1]
 
 
-def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | None = None, out=None):
+def decode(
+    layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | None = None, out=None, exact: bool = False
+):
     """One query per request at token index ``lengths[b] - 1`` over its ``lengths[b]`` cached tokens.
 
     q_lat (B, H, d_c), q_pe (B, H, d_r). Returns the latent output (B, H, d_c) and the
     log-sum-exp (B, H), float32 (0 and -inf for an empty request), written into ``out``
-    when given. ``config`` tunes the kernel and is ignored here.
+    when given. ``config`` tunes the kernel and is ignored here. With ``exact`` (config
+    ``exact`` of the kernels) the dequantized rows are ``s·(q − z)`` computed in float64 and kept
+    there, not rounded to the cache dtype, and the attention runs in float64.
     """
     fmt = layer.fmt
-    cd = compute_dtype(fmt.dtype)
+    cd = torch.float64 if exact else compute_dtype(fmt.dtype)
     B, H, _ = q_lat.shape
     o = torch.zeros(B, H, fmt.d_c, dtype=cd, device=q_lat.device)
     lse = torch.full((B, H), float("-inf"), dtype=cd, device=q_lat.device)
@@ -105,18 +115,18 @@ def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | 
         L = int(lengths[b])
         if L == 0:
             continue
-        Ck, Rk = stored_rows(layer, block_table, b, L)
+        Ck, Rk = stored_rows(layer, block_table, b, L, exact)
         if layer.prot is not None:
             Ck, Rk = Ck.clone(), Rk.clone()
             for j in protected_set(L, layer.sink, layer.recent):
                 r = j if j < layer.sink else layer.sink + j % layer.recent
-                Ck[j], Rk[j] = layer.prot[b, r, : fmt.d_c], layer.prot[b, r, fmt.d_c :]
+                Ck[j], Rk[j] = layer.prot[b, r, : fmt.d_c].to(Ck.dtype), layer.prot[b, r, fmt.d_c :].to(Rk.dtype)
         q = q_lat[b].to(fmt.dtype).to(cd)
         qp = q_pe[b].to(fmt.dtype).to(cd)
         s = tau * (q @ Ck.to(cd).T + qp @ Rk.to(cd).T)
         lse[b] = torch.logsumexp(s, -1)
         o[b] = torch.softmax(s, -1) @ Ck.to(cd)
-    return _into(out, o, lse)
+    return _into(out, o.float(), lse.float()) if exact else _into(out, o, lse)
 
 
 def _into(out, o, lse):
