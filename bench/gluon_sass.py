@@ -3,6 +3,7 @@
     python bench/gluon_sass.py            # the Gluon kernel, C4R4 and C2R4
     python bench/gluon_sass.py --bits 4 --keep /tmp/g4.sass
     python bench/gluon_sass.py --mma16    # the 16-head register-fed kernel (quantmla/kernels/mma_decode.py)
+    python bench/gluon_sass.py --exact    # the 16-head exact-dequantization kernel (quantmla/kernels/exact_decode.py)
     python bench/gluon_sass.py --triton   # the Triton kernel at 16 heads, sink in page tile 0 and not
 
 Prints, per content width: registers, stack (spill) bytes, shared memory, and for each loop of
@@ -35,17 +36,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quantmla.kernels import gluon_decode  # noqa: E402
 
-POINTERS = dict(Q="bf16", QPE="bf16", O="fp32", LSE="fp32", BT="i32", LENS="i64", PROT="bf16",
+POINTERS = dict(Q="bf16", QPE="bf16", O="fp32", LSE="fp32", BT="i32", LENS="i64", PROT="bf16", POOL="u8",
                 CCodes="u8", CScale="bf16", CZero="u8", RCodes="u8", RScale="fp32", RZero="u8")  # fmt: skip
 INSTR = re.compile(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)([^;]*);")
 
 
-def compile_sass(bits: int, mma16: bool = False) -> tuple[str, str, int]:
+def compile_sass(bits: int, mma16: bool = False, exact: bool = False) -> tuple[str, str, int]:
     """(SASS text, resource line, shared bytes) of the kernel for ``bits``-bit content codes (or
-    of the 16-head register-fed kernel :mod:`quantmla.kernels.mma_decode`, C4R4 only)."""
+    of the 16-head register-fed kernel :mod:`quantmla.kernels.mma_decode`, or of the 16-head
+    exact-dequantization kernel :mod:`quantmla.kernels.exact_decode`, C4R4 only)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    if mma16:
+    if exact:
+        import torch
+
+        from quantmla.kernels import PageFormat, exact_decode
+
+        fmt = PageFormat(4, 4, 512, 64, 64, torch.bfloat16)
+        regions = {k: fmt.regions[n].offset for k, n in exact_decode._REGIONS.items()}
+        k, warps = exact_decode._exact16_kernel, exact_decode.WARPS
+        consts = dict(PAGE_BYTES=fmt.page_bytes, SINK=4, RECENT=128, SPLIT=True, CHECK_LATE=True, ABL=0, **regions)
+    elif mma16:
         from quantmla.kernels import mma_decode
 
         k, consts, warps = mma_decode._h16_decode_kernel, dict(SINK=4, RECENT=128, SPLIT=True, ABL=0), mma_decode.WARPS
@@ -129,6 +140,7 @@ def main() -> None:
     ap.add_argument("--keep", help="also write the SASS here (one width only)")
     ap.add_argument("--mma16", action="store_true", help="the 16-head register-fed kernel instead (C4R4)")
     ap.add_argument("--triton", action="store_true", help="the Triton kernel at 16 heads instead")
+    ap.add_argument("--exact", action="store_true", help="the 16-head exact-dequantization kernel instead (C4R4)")
     args = ap.parse_args()
     print(f"triton {triton.__version__}, sm_90")
     if args.triton:
@@ -139,11 +151,11 @@ def main() -> None:
                 kinds = ", ".join(f"{n} {o}" for o, n in sorted(Counter(ops).items()))
                 print(f"triton C{bits}R4 sink_in_tile0={swap}: {res} shared={shared} B, {len(ops)} HMMA ({kinds})")
         return
-    for bits in [4] if args.mma16 else args.bits:
-        sass, res, shared = compile_sass(bits, args.mma16)
+    for bits in [4] if args.mma16 or args.exact else args.bits:
+        sass, res, shared = compile_sass(bits, args.mma16, args.exact)
         if args.keep:
             Path(args.keep).write_text(sass)
-        print(f"{'mma16 ' if args.mma16 else ''}C{bits}R4: {res} shared={shared} B")
+        print(f"{'mma16 ' if args.mma16 else 'exact ' if args.exact else ''}C{bits}R4: {res} shared={shared} B")
         for i, loop in enumerate(loops(sass)):
             print(f"  loop {i}: {loop['instructions']} instructions, {loop['hgmma']} HGMMA, {loop['hmma']} HMMA, "
                   f"{loop['bssy']} BSSY")  # fmt: skip

@@ -100,3 +100,22 @@ def test_register_fed_wgmma_score_probe_compiles_for_hopper():
         (1, -1): (0, 0, 0),
         (2, -1): (0, 36, 0),
     }, r.stdout
+
+
+def test_exact_kernel_compiles_for_hopper_with_one_tile_per_loop_iteration():
+    """The 16-head exact-dequantization kernel compiled for sm_90: two programs' shared memory fit
+    one SM, no spill; the page loop issues one tile's products per iteration: 9 groups x 4 nibble
+    wgmma for the scores and 3 for their zero-point term (39 HGMMA), and per warp two groups of
+    P·V, 4 nibbles x 2 n-blocks x 4 k-steps plus the zero column's 4 (72 HMMA); the protected rows'
+    loop the 36 score wgmma and 64 HMMA."""
+    pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run(
+        [sys.executable, "bench/gluon_sass.py", "--exact"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    head = re.search(r"exact C4R4: REG:(\d+) STACK:(\d+) shared=(\d+) B", r.stdout)
+    assert head and int(head.group(3)) <= 227 * 1024 // 2 and int(head.group(2)) <= 16, r.stdout
+    loops = re.findall(r"loop \d+: \d+ instructions, (\d+) HGMMA, (\d+) HMMA, \d+ BSSY", r.stdout)
+    assert [tuple(map(int, t)) for t in loops] == [(39, 72), (36, 64)], r.stdout

@@ -374,3 +374,95 @@ def test_mma16_kernel_applies_only_where_it_was_written_for():
     # the default 16-head config (hi/lo P) plans the Triton kernel at any length
     full = default_config(1, 16, 1 << 20, layer, dev, {})
     assert plan(layer, 16, full, dev, 1 << 20)[0] == "triton"
+
+
+@pytest.mark.parametrize("cb", [4, 2])
+def test_reference_exact_decode_is_attention_over_the_unrounded_dequantized_cache(cb):
+    """``exact=True``: float64 attention over s·(q − z) of the quantizer's own codes, scales and
+    zero-points (quant.quantize, independent of the pages), the protected rows in BF16; and it is
+    not the paper's function, whose reconstructed rows are rounded to BF16 first (on these
+    latents that rounding moves the output by more than 1e-5)."""
+    from quantmla.quant import quantize
+
+    gen = torch.Generator().manual_seed(13 + cb)
+    fmt = PageFormat(cb, 4)
+    sink, recent = 4, 16
+    lengths = [150, 9]
+    layer, bt, lens, C, K = filled_layer(fmt, lengths, gen, sink=sink, recent=recent)
+    q, qp = _queries(2, 8, gen)
+    tau = 0.07
+    o, lse = ref.decode(layer, bt, lens, q, qp, tau, exact=True)
+    o_paper, _ = ref.decode(layer, bt, lens, q, qp, tau)
+    for b, L in enumerate(lengths):
+        rows = []
+        for x, bits, sd in ((C[b, :L].cpu(), cb, torch.bfloat16), (K[b, :L].cpu(), 4, torch.float32)):
+            t = quantize(x, bits, 64, scale_dtype=sd)
+            deq = t.scale.double().unsqueeze(-1) * (
+                t.codes.double().unflatten(-1, (-1, 64)) - t.zero.double().unsqueeze(-1)
+            )
+            keep = torch.zeros(L, dtype=torch.bool)
+            keep[protected_set(L, sink, recent)] = True
+            rows.append(torch.where(keep[:, None], x.double(), deq.flatten(-2)))
+        Ck, Kk = rows
+        qb, qpb = q[b].cpu().to(fmt.dtype).double(), qp[b].cpu().to(fmt.dtype).double()
+        s = tau * (qb @ Ck.T + qpb @ Kk.T)
+        assert rel(o[b], torch.softmax(s, -1) @ Ck) < 1e-6
+        assert rel(lse[b], torch.logsumexp(s, -1)) < 1e-7
+    assert rel(o_paper[0], o[0]) > 1e-5
+
+
+def test_exact_decode_raises_where_its_kernel_does_not_run():
+    """Config ``exact`` is only honoured by the exact-dequantization kernel: C4R4 in BF16 with
+    protection at up to 16 heads on a Hopper GPU. Elsewhere (the interpreter, C2R4, 17 heads) the
+    call raises with what it needs, before any launch, rather than computing another function."""
+    gen = torch.Generator().manual_seed(3)
+    c4, bt, lens, _, _ = filled_layer(PageFormat(4, 4), [70], gen)
+    c2, bt2, lens2, _, _ = filled_layer(PageFormat(2, 4), [70], gen)
+    q, qp = _queries(1, 17, gen)
+    bad = [(c2, bt2, lens2, q[:, :16], qp[:, :16]), (c4, bt, lens, q, qp)]
+    if not _hopper():
+        bad.append((c4, bt, lens, q[:, :16], qp[:, :16]))
+    for layer, t, n, qq, qqp in bad:
+        with pytest.raises(ValueError, match="exact=True"):
+            kernels.decode(layer, t, n, qq, qqp, 0.1, "triton", dict(exact=True))
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernels need a Hopper GPU (Gluon has no interpreter)")
+@pytest.mark.parametrize("H, splits", [(16, None), (16, 1), (16, 3), (9, 2), (1, None)], ids=str)
+def test_exact_decode_matches_the_exact_reference(H, splits):
+    """The exact-dequantization kernel against float64 attention over s·(q − z) (reference.decode
+    with exact=True): ragged requests (shorter than the protected rows, not page multiples, empty),
+    one to three or the default splits; every output written; within P's FP16 rounding (1e-3; the
+    BF16-rounded rows of the default kernels alone sit ~1e-3 away on such latents), LSE to 1e-5."""
+    from quantmla.kernels.triton_decode import default_config, plan
+
+    gen = torch.Generator().manual_seed(31 + H)
+    lengths = [4000, 300, 70, 1, 0]
+    layer, bt, lens, _, _ = filled_layer(PageFormat(4, 4), lengths, gen)
+    q, qp = _queries(len(lengths), H, gen)
+    cfg = dict(exact=True) if splits is None else dict(exact=True, num_splits=splits)
+    full = default_config(len(lengths), H, 4000, layer, q.device, cfg)
+    assert plan(layer, H, full, q.device, 4000)[0] == "exact"
+    o_ref, lse_ref = ref.decode(layer, bt, lens, q, qp, 576**-0.5, exact=True)
+    out = _poisoned(len(lengths), H)
+    o, lse = kernels.decode(layer, bt, lens, q, qp, 576**-0.5, "triton", cfg, out=out)
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+    assert rel(o, o_ref) < 1e-3 and rel(lse, lse_ref) < 1e-5 and same_inf(lse, lse_ref)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernels need a Hopper GPU (Gluon has no interpreter)")
+def test_exact_decode_reads_protected_rows_from_the_protection_buffer():
+    """As for the other kernels: with the sink and ring rows of the protection buffer replaced by
+    unrelated values, the exact kernel follows them (one split and three) and not the pages."""
+    gen = torch.Generator().manual_seed(5)
+    lengths = [300, 70, 3, 200]
+    layer, bt, lens, _, _ = filled_layer(PageFormat(4, 4), lengths, gen)
+    q, qp = _queries(len(lengths), 16, gen)
+    o_pages, _ = ref.decode(layer, bt, lens, q, qp, 576**-0.5, exact=True)
+    layer.prot.copy_((torch.randn(layer.prot.shape, generator=gen) * 3 - 1).to(layer.prot.device, layer.prot.dtype))
+    o_ref, lse_ref = ref.decode(layer, bt, lens, q, qp, 576**-0.5, exact=True)
+    assert all(rel(o_pages[b], o_ref[b]) > 0.1 for b in range(len(lengths)))
+    for cfg in (dict(exact=True, num_splits=1), dict(exact=True, num_splits=3)):
+        o, lse = kernels.decode(layer, bt, lens, q, qp, 576**-0.5, "triton", cfg, out=_poisoned(len(lengths), 16))
+        assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+        assert rel(o, o_ref) < 1e-3 and rel(lse, lse_ref) < 1e-5 and same_inf(lse, lse_ref), cfg

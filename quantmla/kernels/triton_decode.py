@@ -545,6 +545,16 @@ def _mma16():
     return mma_decode
 
 
+@functools.cache
+def _exact():
+    """The 16-head exact-dequantization Gluon kernel's module, or None where this Triton has no (compatible) Gluon."""
+    try:
+        from quantmla.kernels import exact_decode
+    except (ImportError, AttributeError):
+        return None
+    return exact_decode
+
+
 GLUON_MIN_TILES = 4
 """Fewest tiles per split for the Gluon kernel: with 1-2 its prologue (the query block and the first
 tile, not overlapped) costs more than the overlap wins (H=128, B=1, L <= 8K: 18 % slower than the
@@ -582,8 +592,21 @@ def uses_mma16(layer, H: int, cfg: dict, device, per: int) -> bool:
     return m is not None and m.applies(layer, H, device)
 
 
+def check_exact(layer, H: int, device) -> None:
+    """Raise where config ``exact`` cannot be honoured: only :mod:`.exact_decode` computes attention
+    over the exactly dequantized cache, for the layers, head counts and devices it takes."""
+    e = None if INTERPRET else _exact()
+    if e is None or not e.applies(layer, H, device):
+        raise ValueError(
+            "decode config exact=True (attention over the exactly dequantized cache) runs only on the "
+            "exact_decode Gluon kernel: C4R4 in a BF16 cache with protection buffers, group 64, d_c 512, "
+            f"d_r 64, at most 16 heads, on a Hopper (sm_90) GPU; got {layer.fmt.name} in {layer.fmt.dtype}, "
+            f"{H} heads, protection {'on' if layer.prot is not None else 'off'}, device {device}"
+        )
+
+
 class Plan(NamedTuple):
-    """What :func:`decode` launches: the kernel (``"gluon"``, ``"mma16"`` or ``"triton"``), its
+    """What :func:`decode` launches: the kernel (``"exact"``, ``"gluon"``, ``"mma16"`` or ``"triton"``), its
     splits and work tiles per split, and whether the sink rides in page tile 0."""
 
     kernel: str
@@ -599,6 +622,9 @@ def plan(layer, H: int, cfg: dict, device, max_len: int) -> Plan:
     16 heads where splits hold more than one tile: alone, the peeled tile 0 takes longer than a
     protected tile of its own (bench/NOTES.md, v22)."""
     bn, ns = cfg["block_n"], int(cfg["num_splits"])
+    if cfg.get("exact"):
+        check_exact(layer, H, device)
+        return Plan("exact", *split_work(layer, max_len, PAGE, ns), False)
     if cfg.get("gluon"):
         splits, per = split_work(layer, max_len, bn, ns, sink_in_tile0=True)
         if uses_gluon(layer, H, cfg, device, per):
@@ -630,7 +656,9 @@ def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | 
     if B == 0:
         return o, lse
     op, lsep = partials(o, lse, splits)
-    if kernel == "gluon":
+    if kernel == "exact":
+        _exact().decode(layer, block_table, lengths, q, qpe, op, lsep, tau, splits, per, cfg.get("maxnreg"))
+    elif kernel == "gluon":
         _gluon().decode(layer, block_table, lengths, q, qpe, op, lsep, tau, splits, per)
     elif kernel == "mma16":
         _mma16().decode(layer, block_table, lengths, q, qpe, op, lsep, tau, splits, per)

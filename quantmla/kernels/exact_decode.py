@@ -1,0 +1,645 @@
+"""Decode over C4R4 pages for up to 16 heads, in Gluon for sm_90, on the exact dequantized cache:
+the codes enter the tensor cores as the integers they are, and the scales and zero-points are
+applied to the products instead of to every element.
+
+The other 16-head kernels reconstruct s·(q − z) in BF16 for every element of every tile (twice in
+the register-fed one), which is ~1,100 values per token on the CUDA cores; that work, not the
+bytes, is what holds them to BF16's speed (bench/NOTES.md, "Where it stands"). Here a 4-bit code
+becomes an FP16 number with one logical operation per two codes and no arithmetic: the bits
+``0x000n`` read as FP16 are the subnormal n·2^-24, exactly, and ``0x00n0`` is 16·n·2^-24. With
+per-token group scales the algebra of absorbed attention allows the rest to move off the
+elements (g: one 64-channel group, t: a token, h: a head)::
+
+    q_h · Ĉ_t  = Σ_g s_tg (Σ_{c∈g} q_hc n_tc − z_tg Σ_{c∈g} q_hc)       scores: scale the group's partial product
+    Σ_t p_ht Ĉ_tc = Σ_t (p_ht s_tg) n_tc − Σ_t (p_ht s_tg) z_tg          P·V: scale P, one zero column per group
+
+so per token the CUDA cores turn 1,088 codes into FP16 (two unpackings, one per product) and
+scale 16 heads x 9 groups of partial scores and 16 x 8 entries of P, instead of reconstructing
+1,088 values. The result is attention over the exact ``s·(q − z)``: the cache is read as the spec's
+Eq. 35-36 define it, without the BF16 rounding of the reconstructed tile that the paper's kernel and
+:mod:`.reference` apply (the two differ by that rounding, which at large scores the softmax
+amplifies; bench/NOTES.md v19). P enters P·V in FP16 (11 significant bits, where FlashMLA's BF16 P
+has 8). :func:`quantmla.kernels.reference.decode` with ``exact=True`` is this kernel's reference.
+
+Per 64-token page tile, in one warpgroup (4 warps) per program, two programs per SM (255
+registers and 83 KB of shared memory each):
+
+- the page (codes, scales and zero-points) is copied to shared memory with ``cp.async`` one tile
+  ahead, and the page after it is prefetched into L2;
+- scores: for each of the 9 groups (8 content, 1 RoPE), ``ldmatrix`` gives each thread its wgmma
+  A fragment of 16-bit code words (4 channels each), one PTX block turns each word pair into four
+  FP16 pairs (nibble j of each word: channel 4m + j), and four ``wgmma.m64n16k16`` (tokens on M,
+  heads on N, the queries in shared memory pre-permuted and pre-divided by 16 for the odd nibbles)
+  give the group's partial scores, which one FMA per element scales into the tile's scores; the
+  zero-point term of all 9 groups is three more wgmma (s·z and the query sums as FP16 hi/lo pairs);
+- online softmax with a lazy maximum: P is taken against the running maximum, and each warp
+  publishes by how much its scores pass it beside P' (no reduction across warps before P); only a
+  tile that passes it by more than 2^LAZY (``LAZY``, log2 units) raises it, rescales everything
+  accumulated and redoes P;
+- P·V: P scaled by each group's scales (FP16, one store of 8 groups x 64 tokens x 16 heads), then
+  per warp two groups of ``mma.sync.m16n8k16`` (heads on M) with the codes as B operands from
+  ``ldmatrix.trans`` of the same shared tile, unpacked the same way, plus one 8-column product per
+  group on a tile whose column 0 holds the zero-points (the ``Σ p s z`` term).
+
+The protected rows (sink and ring, BF16) are three work tiles after the page tiles, as in the
+register-fed kernel (``triton_decode.split_work``); they enter both products as FP16 (exact for
+magnitudes in [2^-14, 65504], as cached latents are) through the same accumulators, once these have
+been brought from the codes' 2^-24 units to units of 1. Splits and the LSE merge are the Triton
+kernel's. Range: P <= 2^LAZY and P' = P·s in FP16 take content scales below 4,000 (group ranges
+below 60,000).
+
+Measured on the H200 (bench/NOTES.md, v24): 1.23-1.66x the speed of C16R16 at 16 heads, batch
+>= 32 and 8K tokens or more, where the default kernels run C4R4 at 0.92-0.99x; slower than both at
+batch 1 and short contexts (0.58x at 4K), where each split holds one or two tiles.
+
+Takes C4R4 in a BF16 cache (group 64, d_c 512, d_r 64, protection buffers on) for at most 16 heads
+on a Hopper GPU (:func:`applies`). No interpreter runs Gluon: the GPU tests cover this file, and
+``python bench/gluon_sass.py --exact`` compiles it for sm_90 without a GPU.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+from quantmla.kernels.gluon_decode import _prot_valid, hopper_page
+
+LOG2E = 1.4426950408889634
+WARPS = 4
+STAGES = gl.constexpr(2)
+LAZY = gl.constexpr(4)  # the accumulators are rescaled when a score passes the running maximum by 2^LAZY (log2 units)
+_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared  # Triton 3.9 / 3.6
+
+# One 32-bit register = two 16-bit code words (4 nibbles each, nibble j = channel 4m + j of its
+# word m) -> four FP16 pairs: nibbles 0 and 2 as n·2^-24, nibbles 1 and 3 as 16·n·2^-24 (subnormals,
+# exact). The outputs are written before the last read of the input: early-clobber.
+_UNPACK4 = gl.constexpr(
+    "{\n.reg .b32 t;\nshr.u32 t, $4, 8;\n"
+    "and.b32 $0, $4, 0x000f000f;\nand.b32 $1, $4, 0x00f000f0;\n"
+    "and.b32 $2, t, 0x000f000f;\nand.b32 $3, t, 0x00f000f0;\n}"
+)
+
+
+@gluon.jit
+def _unpack4(x):
+    """int16 code words (any layout, pairs along the fastest register axis) -> the four FP16
+    tensors of their nibbles 0..3 (values f_j·n·2^-24, f_j = 1, 16, 1, 16), same layout."""
+    return gl.inline_asm_elementwise(_UNPACK4, "=&r,=&r,=&r,=&r,r", [x], dtype=(gl.float16,) * 4, is_pure=True, pack=2)
+
+
+@gluon.jit
+def _split4(x):
+    """A tensor (..., 4) -> its four slices along the last axis (no data moves)."""
+    shape: gl.constexpr = x.shape[:-1] + [2, 2]
+    e, o = gl.split(gl.reshape(x, shape))
+    x0, x2 = gl.split(e)
+    x1, x3 = gl.split(o)
+    return x0, x1, x2, x3
+
+
+# Register layouts. ACC: scores S^T (64 tokens x 16 heads), the wgmma accumulator and, with
+# the same bases, its A operand. L8 (64 x 8): ACC's rows, all eight groups in each thread. LA8
+# (64 x 8): the first eight columns of a wgmma A operand. M2: P·V (groups x 16 heads x columns),
+# groups w and w + 4 in warp w. L3A / L3B: the A and B2 layouts with four channels per element
+# (protected rows). L3Z: the zero-point column tile, eight columns per (token, group).
+ACC = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16]))
+L8 = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 8]))  # fmt: skip
+LA8 = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [8, 0]], lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 8]))  # fmt: skip
+M2 = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8]))
+L3A = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 1], [0, 0, 2], [0, 1, 0], [8, 0, 0], [0, 8, 0]],
+    lane_bases=[[0, 2, 0], [0, 4, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+    warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 16, 4]))  # fmt: skip
+L3B = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 1, 0, 0], [0, 8, 0, 0], [0, 16, 0, 0], [0, 32, 0, 0],
+               [0, 0, 8, 0], [4, 0, 0, 0]],
+    lane_bases=[[0, 2, 0, 0], [0, 4, 0, 0], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]],
+    warp_bases=[[1, 0, 0, 0], [2, 0, 0, 0]], block_bases=[], shape=[8, 64, 16, 4]))  # fmt: skip
+L3Z = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 1, 0], [8, 0, 0]],
+    lane_bases=[[0, 2, 0], [0, 4, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+    warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 8, 8]))  # fmt: skip
+
+
+@gluon.jit
+def _copy_tile(cs, rs, ss, rss, zs, rzs, base, R_OFF: gl.constexpr, S_OFF: gl.constexpr, RS_OFF: gl.constexpr,
+               Z_OFF: gl.constexpr, RZ_OFF: gl.constexpr):  # fmt: skip
+    """cp.async of one page (byte pointer ``base``) into a stage: content codes (512 rows of 16
+    words: group-major, 64 tokens per group), RoPE codes (64 rows of 16 words), content scales and
+    zero-points (64 x 8) and the RoPE ones (64)."""
+    CPY: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])  # 16 B per thread
+    M8: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0])
+    V1: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    V4: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
+    b16 = base.to(gl.pointer_type(gl.int16))
+    rc = gl.arange(0, 512, layout=gl.SliceLayout(1, CPY))
+    rr = gl.arange(0, 64, layout=gl.SliceLayout(1, CPY))
+    cc = gl.arange(0, 16, layout=gl.SliceLayout(0, CPY))
+    _async_load(cs, b16 + rc[:, None] * 16 + cc[None, :])
+    _async_load(rs, b16 + (R_OFF // 2) + rr[:, None] * 16 + cc[None, :])
+    tm = gl.arange(0, 64, layout=gl.SliceLayout(1, M8))
+    gm = gl.arange(0, 8, layout=gl.SliceLayout(0, M8))
+    _async_load(ss, b16 + (S_OFF // 2) + tm[:, None] * 8 + gm[None, :])
+    _async_load(zs, base + Z_OFF + tm[:, None] * 8 + gm[None, :])
+    t1 = gl.arange(0, 64, layout=V1)
+    _async_load(rss, (base + RS_OFF).to(gl.pointer_type(gl.float32)) + t1)
+    t4 = gl.arange(0, 64, layout=V4)
+    _async_load(rzs, base + RZ_OFF + t4)
+
+
+@gluon.jit
+def _prefetch_l2(base, tid, NBYTES: gl.constexpr):
+    """Thread 0 of the program: ``NBYTES`` (a multiple of 16) from ``base`` into L2."""
+    gl.inline_asm_elementwise(
+        "{\n.reg .pred p;\nsetp.eq.u32 p, $1, 0;\n@p cp.async.bulk.prefetch.L2.global [$2], $3;\nmov.u32 $0, 0;\n}",
+        "=r,r,l,r", [tid, base + gl.zeros_like(tid).to(gl.int64), gl.full_like(tid, NBYTES)], dtype=gl.int32,
+        is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _cols8(x, ROWS: gl.constexpr):
+    """The eight columns of a (64, 8) tensor in ``L8`` as (64,) tensors in ``ROWS`` (no data moves)."""
+    a, b = gl.split(gl.reshape(x, [64, 4, 2]))
+    a0, a1 = gl.split(gl.reshape(a, [64, 2, 2]))
+    b0, b1 = gl.split(gl.reshape(b, [64, 2, 2]))
+    c0, c4 = gl.split(a0)
+    c2, c6 = gl.split(a1)
+    c1, c5 = gl.split(b0)
+    c3, c7 = gl.split(b1)
+    return (
+        gl.convert_layout(c0, ROWS, assert_trivial=True),
+        gl.convert_layout(c1, ROWS, assert_trivial=True),
+        gl.convert_layout(c2, ROWS, assert_trivial=True),
+        gl.convert_layout(c3, ROWS, assert_trivial=True),
+        gl.convert_layout(c4, ROWS, assert_trivial=True),
+        gl.convert_layout(c5, ROWS, assert_trivial=True),
+        gl.convert_layout(c6, ROWS, assert_trivial=True),
+        gl.convert_layout(c7, ROWS, assert_trivial=True),
+    )
+
+
+@gluon.jit
+def _group_scores(a, qc, qr, G: gl.constexpr, ACC: gl.constexpr):
+    """Issue the four wgmma of group ``G`` (A: the four nibble tensors of its code words; B: the
+    query tiles of nibble j, ``qc`` index 8j + G for content groups, ``qr`` index j for RoPE)."""
+    acc = gl.zeros([64, 16], gl.float32, ACC)
+    if G < 8:
+        acc = warpgroup_mma(a[0], qc.index(G).permute((1, 0)), acc, use_acc=False, is_async=True)
+        acc = warpgroup_mma(a[1], qc.index(8 + G).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(a[2], qc.index(16 + G).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(a[3], qc.index(24 + G).permute((1, 0)), acc, is_async=True)
+    else:
+        acc = warpgroup_mma(a[0], qr.index(0).permute((1, 0)), acc, use_acc=False, is_async=True)
+        acc = warpgroup_mma(a[1], qr.index(1).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(a[2], qr.index(2).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(a[3], qr.index(3).permute((1, 0)), acc, is_async=True)
+    return acc
+
+
+@gluon.jit
+def _zero_scores(wz, zb, ACC: gl.constexpr):
+    """Issue Σ_g s_tg z_tg · 2^-8 Σ_c q'_hc (the zero-point term of the scores, 2^16 times too large)
+    as three FP16 wgmma: A = s·z as a hi/lo pair (64 tokens x 9 groups, zero-padded to 16), B = the
+    query sums as a hi/lo pair (``zb`` tiles 0 and 1)."""
+    hi = wz.to(gl.float16)
+    lo = (wz - hi.to(gl.float32)).to(gl.float16)
+    acc = gl.zeros([64, 16], gl.float32, ACC)
+    acc = warpgroup_mma(hi, zb.index(0).permute((1, 0)), acc, use_acc=False, is_async=True)
+    acc = warpgroup_mma(lo, zb.index(0).permute((1, 0)), acc, is_async=True)
+    return warpgroup_mma(hi, zb.index(1).permute((1, 0)), acc, is_async=True)
+
+
+@gluon.jit
+def _scores(cst, rst, qc, qr, zb, s, sr, wz, AL: gl.constexpr, ACC: gl.constexpr):
+    """Σ_g s_tg (Σ_c n_tc q'_hc 2^-24 − z_tg Σ_c q'_hc 2^-24) for the page tile in stage ``cst``
+    (``s``: the content groups' scales per token; ``wz``: the A operand of the zero-point term):
+    tokens on M, one group's products in flight while the previous group's are scaled."""
+    tot = gl.zeros([64, 16], gl.float32, ACC)
+    zacc = _zero_scores(wz, zb, ACC)
+    x = cst.slice(0, 64).load(AL)
+    prev = _group_scores(_unpack4(x), qc, qr, 0, ACC)
+    for g in gl.static_range(8):
+        if g < 7:
+            x = cst.slice(64 * (g + 1), 64).load(AL)
+        else:
+            x = rst.load(AL)
+        nxt = _group_scores(_unpack4(x), qc, qr, g + 1, ACC)
+        prev = warpgroup_mma_wait(num_outstanding=4, deps=(prev,))
+        tot = tot + s[g][:, None] * prev
+        prev = nxt
+    prev, zacc = warpgroup_mma_wait(num_outstanding=0, deps=(prev, zacc))
+    return tot + sr[:, None] * prev - zacc * 1.52587890625e-05
+
+
+@gluon.jit
+def _prot_scores(prot, r0, ok, qc, qr, ACC: gl.constexpr, AL: gl.constexpr, L3A: gl.constexpr):
+    """Σ_c x_tc q'_hc for the 64 protected BF16 rows from ``r0`` of the protection buffer at
+    ``prot`` (rows not ``ok`` read as zeros), the rows entering as FP16: each thread loads the 16
+    bytes that hold its A fragments' four nibble positions of two words."""
+    t = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3A)))[:, None, None]
+    m = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3A)))[None, :, None]
+    j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3A)))[None, None, :]
+    okt = gl.convert_layout(ok, gl.SliceLayout(1, gl.SliceLayout(2, L3A)), assert_trivial=True)[:, None, None]
+    base = prot + (r0 + t) * 576 + 4 * m + j
+    acc_e = gl.zeros([64, 16], gl.float32, ACC)
+    acc_o = gl.zeros([64, 16], gl.float32, ACC)
+    for g in gl.static_range(9):
+        x = gl.load(base + 64 * g, mask=okt & (m >= 0) & (j >= 0), other=0.0).to(gl.float32).to(gl.float16)
+        x0, x1, x2, x3 = _split4(x)
+        if g < 8:
+            acc_e = warpgroup_mma(gl.convert_layout(x0, AL, assert_trivial=True), qc.index(g).permute((1, 0)), acc_e)
+            acc_o = warpgroup_mma(
+                gl.convert_layout(x1, AL, assert_trivial=True), qc.index(8 + g).permute((1, 0)), acc_o
+            )
+            acc_e = warpgroup_mma(
+                gl.convert_layout(x2, AL, assert_trivial=True), qc.index(16 + g).permute((1, 0)), acc_e
+            )
+            acc_o = warpgroup_mma(
+                gl.convert_layout(x3, AL, assert_trivial=True), qc.index(24 + g).permute((1, 0)), acc_o
+            )
+        else:
+            acc_e = warpgroup_mma(gl.convert_layout(x0, AL, assert_trivial=True), qr.index(0).permute((1, 0)), acc_e)
+            acc_o = warpgroup_mma(gl.convert_layout(x1, AL, assert_trivial=True), qr.index(1).permute((1, 0)), acc_o)
+            acc_e = warpgroup_mma(gl.convert_layout(x2, AL, assert_trivial=True), qr.index(2).permute((1, 0)), acc_e)
+            acc_o = warpgroup_mma(gl.convert_layout(x3, AL, assert_trivial=True), qr.index(3).permute((1, 0)), acc_o)
+    return acc_e + 16.0 * acc_o
+
+
+@gluon.jit
+def _pv(psm, cst, ztm, a0, a1, a2, a3, az, A2: gl.constexpr, B2: gl.constexpr):
+    """acc_j += P'_g · nibbles_j of the page tile's codes (groups on the batch axis, two per warp) and
+    the zero column: az += P'_g · (z·2^-24 in column 0)."""
+    pa = psm.permute((0, 2, 1)).load(A2)
+    b = _unpack4(cst.reshape([8, 64, 16]).load(B2))
+    a0 = mma_v2(pa, b[0], a0)
+    a1 = mma_v2(pa, b[1], a1)
+    a2 = mma_v2(pa, b[2], a2)
+    a3 = mma_v2(pa, b[3], a3)
+    az = mma_v2(pa, ztm.load(B2), az)
+    return a0, a1, a2, a3, az
+
+
+@gluon.jit
+def _pv_prot(psm, prot, r0, L, a0, a1, a2, a3, A2: gl.constexpr, B2: gl.constexpr, L3B: gl.constexpr,
+             SINK: gl.constexpr, RECENT: gl.constexpr):  # fmt: skip
+    """acc_j += P · x for the 64 protected BF16 rows from ``r0`` of the protection buffer at ``prot``
+    (rows that hold no token read as zeros), the rows entering as FP16, four channels per load."""
+    pa = psm.permute((0, 2, 1)).load(A2)
+    g = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L3B))))[:, None, None, None]
+    t = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L3B))))[None, :, None, None]
+    m = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L3B))))[None, None, :, None]
+    j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L3B))))[None, None, None, :]
+    r = r0 + t
+    ok = _prot_valid(r, L, SINK, RECENT) & (g >= 0) & (m >= 0) & (j >= 0)
+    x = gl.load(prot + r * 576 + 64 * g + 4 * m + j, mask=ok, other=0.0).to(gl.float32).to(gl.float16)
+    x0, x1, x2, x3 = _split4(x)
+    a0 = mma_v2(pa, gl.convert_layout(x0, B2, assert_trivial=True), a0)
+    a1 = mma_v2(pa, gl.convert_layout(x1, B2, assert_trivial=True), a1)
+    a2 = mma_v2(pa, gl.convert_layout(x2, B2, assert_trivial=True), a2)
+    a3 = mma_v2(pa, gl.convert_layout(x3, B2, assert_trivial=True), a3)
+    return a0, a1, a2, a3
+
+
+@gluon.jit
+def _raise_max(x, m_ref, lacc, a0, a1, a2, a3, az, M2: gl.constexpr):
+    """The running maximum raised to the tile's (``x``: scores in log2 units, -inf where not
+    valid), everything accumulated so far rescaled to it."""
+    m_new = gl.maximum(m_ref, gl.max(x, axis=0))
+    alpha = gl.exp2(m_ref - m_new)  # 0 where m_ref was -inf
+    al = gl.convert_layout(alpha, gl.SliceLayout(0, gl.SliceLayout(2, M2)))[None, :, None]
+    return m_new, lacc * alpha[None, :], a0 * al, a1 * al, a2 * al, a3 * al, az * al
+
+
+@gluon.jit
+def _p(x, m_ref):
+    return gl.exp2(x - gl.where(m_ref == float("-inf"), 0.0, m_ref)[None, :])
+
+
+@gluon.jit
+def _softmax(x, valid, m_ref, lacc, a0, a1, a2, a3, az, M2: gl.constexpr):
+    """P = exp2(x − m_ref) for the tile's scores ``x`` (log2 units), with the running maximum
+    ``m_ref`` raised (and everything accumulated so far rescaled) only when a score passes it by
+    more than 2^LAZY; rows not ``valid`` get P = 0."""
+    x = gl.where(valid[:, None], x, float("-inf"))
+    over = gl.max(gl.max(gl.where(valid[:, None], x - m_ref[None, :], float("-inf")), axis=1), axis=0)
+    if over > LAZY:
+        m_ref, lacc, a0, a1, a2, a3, az = _raise_max(x, m_ref, lacc, a0, a1, a2, a3, az, M2)
+    p = _p(x, m_ref)
+    return p, m_ref, lacc + p, a0, a1, a2, a3, az
+
+
+@gluon.jit
+def _over_per_warp(x, valid, m_ref):
+    """How far each warp's scores (tokens 16w .. 16w + 15) pass the running maximum: (4,), the
+    reduction within each warp only."""
+    d = gl.where(valid[:, None], x - m_ref[None, :], float("-inf"))
+    return gl.max(gl.max(gl.reshape(d, [4, 16, 16]), axis=2), axis=1)
+
+
+@gluon.jit
+def _join8(x0, x1, x2, x3, x4, x5, x6, x7):
+    """Eight tensors (...) -> (..., 8) in argument order (join appends the last axis)."""
+    j = gl.join(gl.join(gl.join(x0, x4), gl.join(x2, x6)), gl.join(gl.join(x1, x5), gl.join(x3, x7)))
+    return gl.reshape(j, j.shape[:-3] + [8])
+
+
+@gluon.jit
+def _store_p(psm, p, s8):
+    """P'_g = P·s_g (FP16) of the eight content groups into the P buffer (group, token, head), one
+    store (stores into slices of one buffer get a barrier each from the compiler)."""
+    p16 = p.to(gl.float16)
+    pg = _join8(p16 * s8[0].to(gl.float16)[:, None], p16 * s8[1].to(gl.float16)[:, None],
+                p16 * s8[2].to(gl.float16)[:, None], p16 * s8[3].to(gl.float16)[:, None],
+                p16 * s8[4].to(gl.float16)[:, None], p16 * s8[5].to(gl.float16)[:, None],
+                p16 * s8[6].to(gl.float16)[:, None], p16 * s8[7].to(gl.float16)[:, None])  # fmt: skip
+    psm.store(gl.permute(pg, (2, 0, 1)))
+
+
+@gluon.jit
+def _queries(qrow, rrow, hok, qc, qr, zb):
+    """The queries q' = q·2^kq per head (max |q'| < 2^15: FP16 holds them exactly) as the score
+    wgmma's B tiles: ``qc`` index 8j + g = channel 64g + 4m + j at (head, m), ``qr`` index j =
+    RoPE channel 4m + j, the odd nibbles' tiles divided by 16 (those codes enter as 16n); ``zb``:
+    2^-8 Σ_{c in g} q'_hc per group g (column 8: RoPE) as a hi/lo pair, the zero-point term's B.
+    ``qrow``/``rrow``: (16,) pointers to each head's row (heads not ``hok`` read as zeros). Returns kq."""
+    LQ: gl.constexpr = gl.BlockedLayout([1, 1, 4], [2, 16, 1], [4, 1, 1], [2, 1, 0])  # (head, word, nibble)
+    HQ: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, LQ))
+    m = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, LQ)))[None, :, None]
+    j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, LQ)))[None, None, :]
+    hq = gl.convert_layout(hok, HQ)[:, None, None] & (m >= 0) & (j >= 0)
+    qb = gl.convert_layout(qrow, HQ)[:, None, None] + 4 * m + j
+    rb = gl.convert_layout(rrow, HQ)[:, None, None] + 4 * m + j
+    amax = gl.max(gl.max(gl.abs(gl.load(rb, mask=hq, other=0.0).to(gl.float32)), axis=2), axis=1)
+    for g in gl.static_range(8):
+        amax = gl.maximum(
+            amax, gl.max(gl.max(gl.abs(gl.load(qb + 64 * g, mask=hq, other=0.0).to(gl.float32)), axis=2), axis=1)
+        )
+    e = ((amax.to(gl.int32, bitcast=True) >> 23) & 255) - 127  # floor(log2 max |q|)
+    kq = gl.minimum(gl.maximum(gl.where(amax > 0, 14 - e, 0), -100), 100)
+    sc = ((kq + 127) << 23).to(gl.float32, bitcast=True)[:, None, None]  # 2^kq
+    LZB: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [4, 1], [1, 0])
+    col = gl.arange(0, 16, layout=gl.SliceLayout(0, LZB))[None, :]
+    zs = gl.zeros([16, 16], gl.float32, LZB)
+    for g in gl.static_range(9):
+        if g < 8:
+            q = gl.load(qb + 64 * g, mask=hq, other=0.0).to(gl.float32) * sc
+        else:
+            q = gl.load(rb, mask=hq, other=0.0).to(gl.float32) * sc
+        q0, q1, q2, q3 = _split4(q)
+        if g < 8:
+            qc.index(g).store(q0.to(gl.float16))
+            qc.index(8 + g).store((q1 * 0.0625).to(gl.float16))
+            qc.index(16 + g).store(q2.to(gl.float16))
+            qc.index(24 + g).store((q3 * 0.0625).to(gl.float16))
+        else:
+            qr.index(0).store(q0.to(gl.float16))
+            qr.index(1).store((q1 * 0.0625).to(gl.float16))
+            qr.index(2).store(q2.to(gl.float16))
+            qr.index(3).store((q3 * 0.0625).to(gl.float16))
+        gsum = gl.convert_layout(gl.sum(gl.sum(q, axis=2), axis=1) * 0.00390625, gl.SliceLayout(1, LZB))
+        zs = gl.where(col == g, gsum[:, None], zs)
+    hi = zs.to(gl.float16)
+    zb.index(0).store(hi)
+    zb.index(1).store((zs - hi.to(gl.float32)).to(gl.float16))
+    return kq
+
+
+@gluon.jit
+def _cols16(a, b):
+    """Two (R, 8) tensors -> one (R, 16): columns 0-7 from ``a``, 8-15 from ``b``."""
+    R: gl.constexpr = a.shape[0]
+    return gl.reshape(gl.permute(gl.join(a, b), (0, 2, 1)), [R, 16])
+
+
+@gluon.jit
+def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, POOL,
+                    H, stride_qb, stride_qh, stride_rb, stride_rh, stride_pb,
+                    stride_ob, stride_oh, stride_os, stride_bt, tiles_per_split, qk_scale,
+                    PAGE_BYTES: gl.constexpr, R_OFF: gl.constexpr, S_OFF: gl.constexpr, RS_OFF: gl.constexpr,
+                    Z_OFF: gl.constexpr, RZ_OFF: gl.constexpr,
+                    SINK: gl.constexpr, RECENT: gl.constexpr, SPLIT: gl.constexpr, CHECK_LATE: gl.constexpr,
+                    ABL: gl.constexpr):  # fmt: skip
+    BN: gl.constexpr = 64
+    NS: gl.constexpr = STAGES
+    AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
+    A2: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=M2, k_width=2)
+    B2: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=M2, k_width=2)
+    ROWS: gl.constexpr = gl.SliceLayout(1, ACC)
+    COLS: gl.constexpr = gl.SliceLayout(0, ACC)
+    SW: gl.constexpr = gl.SwizzledSharedLayout(8, 4, 2, order=[1, 0])  # rows of 32 B, ldmatrix without conflicts
+    SW3: gl.constexpr = gl.SwizzledSharedLayout(8, 4, 2, order=[2, 1, 0])
+    P3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
+    P2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    P1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    QS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([16, 16], gl.float16)
+    cs = gl.allocate_shared_memory(gl.int16, [NS, 512, 16], SW)  # content codes: 8 groups x 64 tokens
+    rs = gl.allocate_shared_memory(gl.int16, [NS, 64, 16], SW)  # RoPE codes
+    ss = gl.allocate_shared_memory(gl.bfloat16, [NS, 64, 8], P2)  # content scales (token, group)
+    zs = gl.allocate_shared_memory(gl.uint8, [NS, 64, 8], P2)  # content zero-points
+    rss = gl.allocate_shared_memory(gl.float32, [NS, 64], P1)  # RoPE scales
+    rzs = gl.allocate_shared_memory(gl.uint8, [NS, 64], P1)  # RoPE zero-points
+    qc = gl.allocate_shared_memory(gl.float16, [32, 16, 16], QS)  # score B tiles, content: (8j + g) x (head, word)
+    qr = gl.allocate_shared_memory(gl.float16, [4, 16, 16], QS)  # score B tiles, RoPE: j x (head, word)
+    zb = gl.allocate_shared_memory(gl.float16, [2, 16, 16], QS)  # zero-point term B: hi, lo x (head, group)
+    psm = gl.allocate_shared_memory(gl.float16, [8, 64, 16], SW3)  # P'_g: (group, token, head)
+    ztm = gl.allocate_shared_memory(gl.float16, [8, 64, 8], P3)  # zero-point column tile (group, token, 8)
+    fl = gl.allocate_shared_memory(gl.float32, [4], P1)  # each warp's overshoot of the running maximum
+    LF: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
+
+    pid_s = gl.program_id(0)
+    b = gl.program_id(1).to(gl.int64)
+    L = gl.load(LENS + b).to(gl.int32)
+
+    low_hi = L - RECENT  # tokens SINK <= t < L - RECENT are read from the pages
+    n_tiles = gl.cdiv(gl.minimum(gl.maximum(low_hi, SINK), L), BN)
+    t_lo = pid_s * tiles_per_split
+    t_hi = gl.minimum(t_lo + tiles_per_split, n_tiles)
+    bt_row = BT + b * stride_bt
+    rows = gl.arange(0, BN, layout=ROWS)
+    n8 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3Z)))[None, None, :]
+    c8 = gl.arange(0, 8, layout=gl.SliceLayout(0, LA8))[None, :]
+
+    # the first tiles' copies under the queries' preparation
+    for i in gl.static_range(NS - 1):
+        if t_lo + i < t_hi:
+            page = gl.load(bt_row + t_lo + i).to(gl.int64)
+            _copy_tile(cs.index(i), rs.index(i), ss.index(i), rss.index(i), zs.index(i), rzs.index(i),
+                       POOL + page * PAGE_BYTES, R_OFF, S_OFF, RS_OFF, Z_OFF, RZ_OFF)  # fmt: skip
+        async_copy.commit_group()
+    LH: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    qh = gl.arange(0, 16, layout=LH)
+    kq = _queries(Q + b * stride_qb + qh * stride_qh, QPE + b * stride_rb + qh * stride_rh, qh < H, qc, qr, zb)
+    # per head: the scores in log2 units are c_h · (products), c_h = tau·log2(e)·2^(24 − kq)
+    ch = gl.convert_layout(qk_scale * ((151 - kq) << 23).to(gl.float32, bitcast=True), COLS)
+    fence_async_shared()
+    _barrier()
+
+    m_ref = gl.full([16], float("-inf"), gl.float32, COLS)
+    lacc = gl.zeros([64, 16], gl.float32, ACC)
+    a0 = gl.zeros([8, 16, 16], gl.float32, M2)
+    a1 = a0
+    a2 = a0
+    a3 = a0
+    az = gl.zeros([8, 16, 8], gl.float32, M2)
+
+    # block-table entries two and three tiles ahead: the next copy's page and the next L2 prefetch's
+    pn = gl.load(bt_row + gl.minimum(t_lo + NS - 1, t_hi - 1), mask=t_lo < t_hi, other=0).to(gl.int64)
+    pp = gl.load(bt_row + gl.minimum(t_lo + NS, t_hi - 1), mask=t_lo < t_hi, other=0).to(gl.int64)
+    tid = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0]))
+    for t in range(t_lo, t_hi):
+        it = t - t_lo
+        async_copy.wait_group(NS - 2)
+        _barrier()  # tile t in shared memory for every thread; every warp done with tile t - 1
+        if t + NS - 1 < t_hi:
+            sn = (it + NS - 1) % NS
+            _copy_tile(cs.index(sn), rs.index(sn), ss.index(sn), rss.index(sn), zs.index(sn), rzs.index(sn),
+                       POOL + pn * PAGE_BYTES, R_OFF, S_OFF, RS_OFF, Z_OFF, RZ_OFF)  # fmt: skip
+        async_copy.commit_group()
+        if t + NS < t_hi:  # the page after the one on its way, on its way to L2
+            _prefetch_l2(POOL + pp * PAGE_BYTES, tid, PAGE_BYTES)
+        pn = pp
+        pp = gl.load(bt_row + gl.minimum(t + NS + 1, t_hi - 1)).to(gl.int64)
+        st = it % NS
+        tok = t * BN + rows
+        valid = (tok >= SINK) & (tok < low_hi)
+        # scales of rows that hold no page token read as 0 (their slots may hold anything): their P'
+        # is then 0, not 0 times a stray NaN
+        v8 = gl.convert_layout(valid, gl.SliceLayout(1, L8), assert_trivial=True)[:, None]
+        s8 = _cols8(gl.where(v8, ss.index(st).load(L8).to(gl.float32), 0.0), ROWS)
+        sr = gl.where(valid, rss.index(st).load(ROWS), 0.0)
+        # the zero-point term's A (s·z per token and group, RoPE in column 8) and the zero-point
+        # column tile of P·V (z·2^-24 in column 0 of each group's 8)
+        za = zs.index(st).load(LA8)
+        va = gl.convert_layout(valid, gl.SliceLayout(1, LA8), assert_trivial=True)[:, None]
+        wr = gl.convert_layout(
+            sr * rzs.index(st).load(ROWS).to(gl.float32), gl.SliceLayout(1, LA8), assert_trivial=True
+        )
+        wc = gl.where(va, ss.index(st).load(LA8).to(gl.float32), 0.0) * za.to(gl.float32)
+        wz = gl.convert_layout(_cols16(wc, gl.where(c8 == 0, wr[:, None], 0.0)), AL, assert_trivial=True)
+        zc = gl.convert_layout(za.to(gl.int16), gl.SliceLayout(2, L3Z), assert_trivial=True)[:, :, None]
+        ztm.permute((1, 0, 2)).store(gl.where(n8 == 0, zc, 0).to(gl.float16, bitcast=True))
+        if ABL == 2:  # timing only: no score products
+            x = gl.zeros([64, 16], gl.float32, ACC)
+        else:
+            x = _scores(cs.index(st), rs.index(st), qc, qr, zb, s8, sr, wz, AL, ACC) * ch[None, :]
+        if CHECK_LATE:
+            # optimistic: P against the running maximum, each warp's overshoot published with P';
+            # the rare tile that passes it by more than 2^LAZY is redone after the barrier
+            x = gl.where(valid[:, None], x, float("-inf"))
+            fl.store(_over_per_warp(x, valid, m_ref))
+            p = _p(x, m_ref)
+            _store_p(psm, p, s8)
+            _barrier()  # P', the zero-point tile and the overshoots visible to every warp
+            if ABL != 3:
+                if gl.max(fl.load(LF), axis=0) > LAZY:
+                    m_ref, lacc, a0, a1, a2, a3, az = _raise_max(x, m_ref, lacc, a0, a1, a2, a3, az, M2)
+                    p = _p(x, m_ref)
+                    _store_p(psm, p, s8)
+                    _barrier()
+            lacc = lacc + p
+        else:
+            p, m_ref, lacc, a0, a1, a2, a3, az = _softmax(x, valid, m_ref, lacc, a0, a1, a2, a3, az, M2)
+            _store_p(psm, p, s8)
+            _barrier()  # P' and the zero-point tile visible to every warp
+        if ABL != 1:  # ablation 1 (timing only): no P·V
+            a0, a1, a2, a3, az = _pv(psm, cs.index(st), ztm, a0, a1, a2, a3, az, A2, B2)
+    async_copy.wait_group(0)
+
+    # accumulators from units of 2^-24 (and of 1/16 for the odd nibbles) to units of 1: the
+    # protected rows below add into them in FP16 units
+    a0 = a0 * 16777216.0
+    a1 = a1 * 1048576.0
+    a2 = a2 * 16777216.0
+    a3 = a3 * 1048576.0
+    az = az * 16777216.0
+
+    # the protected rows (sink, then the recent ring) are this request's work tiles n_tiles, …
+    p_lo = gl.maximum(t_lo - n_tiles, 0) * BN
+    p_hi = gl.minimum(t_lo + tiles_per_split - n_tiles, (SINK + RECENT + BN - 1) // BN) * BN
+    if p_lo < p_hi:
+        prot = PROT + b * stride_pb
+        one = gl.full([BN], 1.0, gl.float32, ROWS)
+        for r0 in range(p_lo, p_hi, BN):
+            _barrier()  # every warp done with the P buffer
+            valid = _prot_valid(r0 + rows, L, SINK, RECENT)
+            x = _prot_scores(prot, r0, valid, qc, qr, ACC, AL, L3A) * (ch * 5.9604644775390625e-08)[None, :]
+            p, m_ref, lacc, a0, a1, a2, a3, az = _softmax(x, valid, m_ref, lacc, a0, a1, a2, a3, az, M2)
+            _store_p(psm, p, (one, one, one, one, one, one, one, one))
+            _barrier()
+            a0, a1, a2, a3 = _pv_prot(psm, prot, r0, L, a0, a1, a2, a3, A2, B2, L3B, SINK, RECENT)
+
+    # out: O[h, 64g + 4m + j] = (acc_j[g, h, m] − Σ_t p s z [g, h]) / l_h
+    l = gl.sum(lacc, axis=0)
+    has = l > 0
+    lse = gl.where(has, (m_ref + gl.log2(gl.where(has, l, 1.0))) * 0.6931471805599453, float("-inf"))
+    inv = gl.convert_layout(1.0 / gl.where(has, l, 1.0), gl.SliceLayout(0, gl.SliceLayout(2, M2)))[None, :, None]
+    nz = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, M2)))
+    zsum = gl.sum(gl.where(nz[None, None, :] == 0, az, 0.0), axis=2)[:, :, None]
+    og = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, M2)))[:, None, None]
+    oh = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, M2)))[None, :, None]
+    om = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, M2)))[None, None, :]
+    o_base = O + b * stride_ob + oh * stride_oh + pid_s * stride_os + 64 * og + 4 * om
+    hm = (oh < H) & (og >= 0) & (om >= 0)
+    gl.store(o_base + 0, (a0 - zsum) * inv, mask=hm)
+    gl.store(o_base + 1, (a1 - zsum) * inv, mask=hm)
+    gl.store(o_base + 2, (a2 - zsum) * inv, mask=hm)
+    gl.store(o_base + 3, (a3 - zsum) * inv, mask=hm)
+    lh = gl.arange(0, 16, layout=COLS)
+    if SPLIT:
+        gl.store(LSE + (b * H + lh) * gl.num_programs(0) + pid_s, lse, mask=lh < H)
+    else:
+        gl.store(LSE + b * H + lh, lse, mask=lh < H)
+
+
+def decode(
+    layer,
+    block_table,
+    lengths,
+    q,
+    qpe,
+    o,
+    lse,
+    tau: float,
+    splits: int,
+    per: int,
+    maxnreg=None,
+    late_check: bool = True,
+    ablate: int = 0,
+) -> None:
+    """Launch over ``splits`` splits of ``per`` work tiles each (:func:`.triton_decode.split_work`,
+    sink and ring as three tiles): ``q``, ``qpe`` BF16 contiguous; ``o`` (B, H, splits, d_c) and
+    ``lse`` (B, H, splits) float32 partials when ``splits > 1``, else the outputs themselves.
+    ``late_check``: the running maximum checked per warp beside P' (True) or by a reduction over
+    the tile before P (False); ``ablate`` (timing only, wrong outputs): 1 no P·V, 2 no score
+    products, 3 no maximum check."""
+    B, H, _ = q.shape
+    fmt = layer.fmt
+    prot = layer.prot
+    _exact16_kernel[(splits, B)](
+        q, qpe, o, lse, block_table, lengths, prot, layer.pool,
+        H, q.stride(0), q.stride(1), qpe.stride(0), qpe.stride(1), prot.stride(0),
+        o.stride(0), o.stride(1), o.stride(2), block_table.stride(0), per, tau * LOG2E,
+        PAGE_BYTES=fmt.page_bytes, **{k: fmt.regions[n].offset for k, n in _REGIONS.items()},
+        SINK=layer.sink, RECENT=layer.recent, SPLIT=splits > 1, CHECK_LATE=late_check, ABL=ablate,
+        num_warps=WARPS, maxnreg=maxnreg,
+    )  # fmt: skip
+
+
+_REGIONS = dict(R_OFF="R_codes", S_OFF="C_scale", RS_OFF="R_scale", Z_OFF="C_zero", RZ_OFF="R_zero")
+
+
+def applies(layer, H: int, device) -> bool:
+    """Whether this kernel takes ``layer`` for ``H`` heads on ``device``: C4R4, at most 16 heads, in
+    the page layout :func:`.gluon_decode.hopper_page` describes."""
+    return layer.fmt.content_bits == 4 and H <= 16 and hopper_page(layer, device)
+
+
+__all__ = ["applies", "decode"]
