@@ -20,14 +20,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _compile(*args):
+    """``python <args>`` from the repository root with a real compiler (not the interpreter)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False
+    )
+
+
 @pytest.mark.parametrize("bits", [4, 2])
 def test_gluon_kernel_compiles_for_hopper_with_one_tile_per_loop_iteration(bits):
     pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a real compile, not the interpreter
-    r = subprocess.run(
-        [sys.executable, "bench/gluon_sass.py", "--bits", str(bits)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
+    r = _compile("bench/gluon_sass.py", "--bits", str(bits))
     assert r.returncode == 0, r.stderr[-3000:]
     head = re.search(rf"C{bits}R4: REG:(\d+) STACK:(\d+) shared=(\d+) B", r.stdout)
     assert head and int(head.group(3)) <= 227 * 1024, r.stdout  # fits one SM's shared memory
@@ -38,11 +42,7 @@ def test_gluon_kernel_compiles_for_hopper_with_one_tile_per_loop_iteration(bits)
 
 def test_register_fed_kernel_compiles_for_hopper_with_one_tile_per_loop_iteration():
     pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run(
-        [sys.executable, "bench/gluon_sass.py", "--mma16"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
+    r = _compile("bench/gluon_sass.py", "--mma16")
     assert r.returncode == 0, r.stderr[-3000:]
     head = re.search(r"mma16 C4R4: REG:(\d+) STACK:(\d+) shared=(\d+) B", r.stdout)
     assert head and int(head.group(3)) <= 227 * 1024, r.stdout
@@ -61,11 +61,7 @@ def test_triton_decode_kernel_compiles_for_hopper_with_bf16_tensor_core_products
     channels (2 x 36) and, per content chunk of 128 channels, 16 x 32 outputs over 64 tokens twice
     (4 x 4 x 4 x 2), 200 in all. The page loop and the protected rows' loop are two bodies; with the
     sink in page tile 0 the peeled tile is a third."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run(
-        [sys.executable, "bench/gluon_sass.py", "--triton", "--bits", "4"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
+    r = _compile("bench/gluon_sass.py", "--triton", "--bits", "4")
     assert r.returncode == 0, r.stderr[-3000:]
     per_tile = 2 * 36 + 4 * 4 * 4 * 2
     for swap, bodies in (("True", 3), ("False", 2)):
@@ -84,11 +80,7 @@ def test_register_fed_wgmma_score_probe_compiles_for_hopper():
     operand moves no data (``assert_trivial``), and each tile issues 9 groups x 4 k-steps = 36 HGMMA,
     no mma.sync and no spill, whichever wait it uses; the reconstruction-only variant issues none."""
     pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run(
-        [sys.executable, "bench/prototypes/rega16.py", "--sass"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
+    r = _compile("bench/prototypes/rega16.py", "--sass")
     assert r.returncode == 0, r.stderr[-3000:]
     found = re.findall(r"MODE (\d) WAIT (-?\d+): REG:\d+ STACK:(\d+), \d+ B shared, loops \[\{'instructions': \d+, "
                        r"'hgmma': (\d+), 'hmma': (\d+)", r.stdout)  # fmt: skip
@@ -109,11 +101,7 @@ def test_exact_kernel_compiles_for_hopper_with_one_tile_per_loop_iteration():
     P·V, 4 nibbles x 2 n-blocks x 4 k-steps plus the zero column's 4 (72 HMMA); the protected rows'
     loop the 36 score wgmma and 64 HMMA."""
     pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run(
-        [sys.executable, "bench/gluon_sass.py", "--exact"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
+    r = _compile("bench/gluon_sass.py", "--exact")
     assert r.returncode == 0, r.stderr[-3000:]
     head = re.search(r"exact C4R4: REG:(\d+) STACK:(\d+) shared=(\d+) B", r.stdout)
     assert head and int(head.group(3)) <= 227 * 1024 // 2 and int(head.group(2)) <= 16, r.stdout
