@@ -393,6 +393,8 @@ def test_reference_exact_decode_is_attention_over_the_unrounded_dequantized_cach
     tau = 0.07
     o, lse = ref.decode(layer, bt, lens, q, qp, tau, exact=True)
     o_paper, _ = ref.decode(layer, bt, lens, q, qp, tau)
+    o_cfg, _ = kernels.decode(layer, bt, lens, q, qp, tau, "reference", dict(exact=True))  # the config key too
+    assert torch.equal(o_cfg, o)
     for b, L in enumerate(lengths):
         rows = []
         for x, bits, sd in ((C[b, :L].cpu(), cb, torch.bfloat16), (K[b, :L].cpu(), 4, torch.float32)):
