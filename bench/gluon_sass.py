@@ -52,10 +52,8 @@ def compile_sass(bits: int, mma16: bool = False, exact: bool = False) -> tuple[s
 
         from quantmla.kernels import PageFormat, exact_decode
 
-        fmt = PageFormat(4, 4, 512, 64, 64, torch.bfloat16)
-        regions = {k: fmt.regions[n].offset for k, n in exact_decode._REGIONS.items()}
         k, warps = exact_decode._exact16_kernel, exact_decode.WARPS
-        consts = dict(PAGE_BYTES=fmt.page_bytes, SINK=4, RECENT=128, SPLIT=True, CHECK_LATE=True, ABL=0, **regions)
+        consts = exact_decode.constexprs(PageFormat(4, 4, 512, 64, 64, torch.bfloat16), 4, 128, True)
     elif mma16:
         from quantmla.kernels import mma_decode
 

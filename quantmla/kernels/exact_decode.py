@@ -64,7 +64,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from quantmla.kernels.gluon_decode import _prot_valid, hopper_page
+from quantmla.kernels.gluon_decode import _join8, _prot_valid, hopper_page
+from quantmla.kernels.mma_decode import _prefetch_page
 
 LOG2E = 1.4426950408889634
 WARPS = 4
@@ -152,16 +153,6 @@ def _copy_tile(cs, rs, ss, rss, zs, rzs, base, R_OFF: gl.constexpr, S_OFF: gl.co
     _async_load(rss, (base + RS_OFF).to(gl.pointer_type(gl.float32)) + t1)
     t4 = gl.arange(0, 64, layout=V4)
     _async_load(rzs, base + RZ_OFF + t4)
-
-
-@gluon.jit
-def _prefetch_l2(base, tid, NBYTES: gl.constexpr):
-    """Thread 0 of the program: ``NBYTES`` (a multiple of 16) from ``base`` into L2."""
-    gl.inline_asm_elementwise(
-        "{\n.reg .pred p;\nsetp.eq.u32 p, $1, 0;\n@p cp.async.bulk.prefetch.L2.global [$2], $3;\nmov.u32 $0, 0;\n}",
-        "=r,r,l,r", [tid, base + gl.zeros_like(tid).to(gl.int64), gl.full_like(tid, NBYTES)], dtype=gl.int32,
-        is_pure=False, pack=1,
-    )  # fmt: skip
 
 
 @gluon.jit
@@ -345,13 +336,6 @@ def _over_per_warp(x, valid, m_ref):
 
 
 @gluon.jit
-def _join8(x0, x1, x2, x3, x4, x5, x6, x7):
-    """Eight tensors (...) -> (..., 8) in argument order (join appends the last axis)."""
-    j = gl.join(gl.join(gl.join(x0, x4), gl.join(x2, x6)), gl.join(gl.join(x1, x5), gl.join(x3, x7)))
-    return gl.reshape(j, j.shape[:-3] + [8])
-
-
-@gluon.jit
 def _store_p(psm, p, s8):
     """P'_g = P·s_g (FP16) of the eight content groups into the P buffer (group, token, head), one
     store (stores into slices of one buffer get a barrier each from the compiler)."""
@@ -360,7 +344,7 @@ def _store_p(psm, p, s8):
                 p16 * s8[2].to(gl.float16)[:, None], p16 * s8[3].to(gl.float16)[:, None],
                 p16 * s8[4].to(gl.float16)[:, None], p16 * s8[5].to(gl.float16)[:, None],
                 p16 * s8[6].to(gl.float16)[:, None], p16 * s8[7].to(gl.float16)[:, None])  # fmt: skip
-    psm.store(gl.permute(pg, (2, 0, 1)))
+    psm.store(gl.permute(gl.reshape(pg, [64, 16, 8]), (2, 0, 1)))
 
 
 @gluon.jit
@@ -504,7 +488,7 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, POOL,
                        POOL + pn * PAGE_BYTES, R_OFF, S_OFF, RS_OFF, Z_OFF, RZ_OFF)  # fmt: skip
         async_copy.commit_group()
         if t + NS < t_hi:  # the page after the one on its way, on its way to L2
-            _prefetch_l2(POOL + pp * PAGE_BYTES, tid, PAGE_BYTES)
+            _prefetch_page(POOL + pp * PAGE_BYTES, tid, PAGE_BYTES)
         pn = pp
         pp = gl.load(bt_row + gl.minimum(t + NS + 1, t_hi - 1)).to(gl.int64)
         st = it % NS
@@ -627,13 +611,19 @@ def decode(
         q, qpe, o, lse, block_table, lengths, prot, layer.pool,
         H, q.stride(0), q.stride(1), qpe.stride(0), qpe.stride(1), prot.stride(0),
         o.stride(0), o.stride(1), o.stride(2), block_table.stride(0), per, tau * LOG2E,
-        PAGE_BYTES=fmt.page_bytes, **{k: fmt.regions[n].offset for k, n in _REGIONS.items()},
-        SINK=layer.sink, RECENT=layer.recent, SPLIT=splits > 1, CHECK_LATE=late_check, ABL=ablate,
+        **constexprs(fmt, layer.sink, layer.recent, splits > 1, late_check, ablate),
         num_warps=WARPS, maxnreg=maxnreg,
     )  # fmt: skip
 
 
-_REGIONS = dict(R_OFF="R_codes", S_OFF="C_scale", RS_OFF="R_scale", Z_OFF="C_zero", RZ_OFF="R_zero")
+def constexprs(fmt, sink: int, recent: int, split: bool, late_check: bool = True, ablate: int = 0) -> dict:
+    """The kernel's compile-time arguments for pages of ``fmt`` (also what ``bench/gluon_sass.py
+    --exact`` compiles for sm_90 without a GPU)."""
+    regions = dict(R_OFF="R_codes", S_OFF="C_scale", RS_OFF="R_scale", Z_OFF="C_zero", RZ_OFF="R_zero")
+    return dict(
+        PAGE_BYTES=fmt.page_bytes, **{k: fmt.regions[n].offset for k, n in regions.items()},
+        SINK=sink, RECENT=recent, SPLIT=split, CHECK_LATE=late_check, ABL=ablate,
+    )  # fmt: skip
 
 
 def applies(layer, H: int, device) -> bool:
