@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import sys
 from pathlib import Path
 
@@ -28,8 +29,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-
-import functools  # noqa: E402
 
 from decode import Shape, copy_bandwidth, run_meta, time_calls, write_record  # noqa: E402
 
