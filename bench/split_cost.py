@@ -1,0 +1,180 @@
+"""Where the time of a short split goes: 16-head decode broken into kernel, merge and fixed costs.
+
+    python bench/split_cost.py --out DIR          # H200, ~2 minutes
+
+At each shape (default: batch 1 at 4K, 32K and 128K tokens, and batch 32 at 4K, where every
+split holds one to nine tiles) and for C16R16, the default C4R4 kernel and C4R4 exact, it times
+with ``bench/decode.py``'s method (CUDA-graph replays, L2 flushed, medians):
+
+- ``full``: the decode as the sweep times it (kernel, then the LSE merge of the splits);
+- ``kernel``: the decode kernel alone, into the partial outputs; ``merge``: the merge alone;
+- ``per``: the decode kernel with the shape's split count but ``per`` work tiles per split
+  (0: programs that only set up their queries and write empty partials) — the intercept is a
+  program's fixed cost, the slope the cost of a tile at that occupancy;
+- ``splits``: the full decode at other split counts;
+- ``merge_variants``: the merge kernel with other column blocks and warps;
+- ``floor``: a graph of one trivial kernel under the same flush (what the method itself costs);
+- ``flush``: the full exact decode at batch 1, 128K timed by events after no flush, after
+  do_bench's flush (a 256 MB memset, which leaves L2 full of dirty lines) and after a flush by
+  reading 256 MB (clean lines).
+
+Writes ``splitcost-<date>.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from decode import Shape, run_meta, time_calls, write_record  # noqa: E402
+
+from quantmla.kernels import triton_decode  # noqa: E402
+
+DEV = torch.device("cuda")
+TAU = 576**-0.5
+FORMATS = {"c16r16": ("c16r16", {}), "c4r4": ("c4r4", {}), "c4r4_exact": ("c4r4", {"exact": True})}
+
+
+class Parts:
+    """The plan of one format at one shape, with partial buffers to launch its kernel and merge alone."""
+
+    def __init__(self, sh: Shape, name: str, cfg: dict, splits: int | None = None):
+        self.sh, self.layer, self.tables = sh, sh.layers[name], sh.tables[name]
+        cfg = dict(cfg, max_len=sh.L) | ({} if splits is None else {"num_splits": splits})
+        self.cfg = triton_decode.default_config(sh.B, sh.H, sh.L, self.layer, DEV, cfg)
+        self.kernel, self.splits, self.per, self.sink0 = triton_decode.plan(self.layer, sh.H, self.cfg, DEV, sh.L)
+        self.o = torch.empty(sh.B, sh.H, 512, device=DEV)
+        self.lse = torch.empty(sh.B, sh.H, device=DEV)
+        self.op, self.lsep = triton_decode.partials(self.o, self.lse, self.splits)
+
+    def launch(self, bt, per=None):
+        sh, layer, per = self.sh, self.layer, self.per if per is None else per
+        args = (layer, bt, sh.lengths, sh.q, sh.qp, self.op, self.lsep, TAU, self.splits, per)
+        if self.kernel == "exact":
+            triton_decode._exact().decode(*args)
+        elif self.kernel == "gluon":
+            triton_decode._gluon().decode(*args)
+        elif self.kernel == "mma16":
+            triton_decode._mma16().decode(*args)
+        else:
+            triton_decode._launch(*args[:8], self.cfg, self.splits, per, self.sink0)
+
+    def kernel_ms(self, per=None) -> float:
+        return time_calls([functools.partial(self.launch, t, per) for t in self.tables])
+
+    def merge_ms(self) -> float:
+        return time_calls([functools.partial(triton_decode.merge, self.op, self.lsep, self.o, self.lse)])
+
+    def merge_variant_ms(self, block_d: int, block_s: int, warps: int) -> float:
+        B, H, S, d_c = self.op.shape
+
+        def go():
+            triton_decode._combine_kernel[(B * H, d_c // block_d)](
+                self.op, self.lsep, self.o, self.lse, S, DC=d_c, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=warps
+            )
+
+        return time_calls([go])
+
+
+def events_ms(fn, flush, n=200) -> float:
+    """Median ms of ``fn`` by CUDA events, ``flush`` (or nothing) enqueued before each call."""
+    for _ in range(10):
+        fn()
+    times = []
+    for _ in range(n):
+        if flush is not None:
+            flush()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        times.append((s, e))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in times)
+
+
+def shape_report(H, B, L, gen, l2, full_splits) -> dict:
+    sh = Shape(H, B, L, gen, l2, formats={"c16r16": (16, 16), "c4r4": (4, 4)})
+    out = {"H": H, "B": B, "L": L, "sets": len(sh.tables["c4r4"])}
+    for key, (name, cfg) in FORMATS.items():
+        p = Parts(sh, name, cfg)
+        r = {"kernel_name": p.kernel, "splits": p.splits, "per": p.per}
+        r["full"] = sh.time(name, cfg)
+        r["kernel"] = p.kernel_ms()
+        r["merge"] = p.merge_ms() if p.splits > 1 else 0.0
+        r["per_ms"] = {str(k): p.kernel_ms(k) for k in sorted({0, 1, 2, 4, p.per}) if k <= p.per}
+        if p.splits > 1:
+            r["merge_variants"] = {
+                f"d{bd}-s{bs}-w{w}": p.merge_variant_ms(bd, bs, w)
+                for bd in (64, 32, 16)
+                for bs in (32, 64)
+                for w in (4, 2)
+            }
+        if key != "c16r16":
+            r["splits_ms"] = {}
+            for s in full_splits:
+                q = Parts(sh, name, cfg, splits=s)
+                r["splits_ms"][f"{s}->{q.splits}x{q.per}"] = sh.time(name, dict(cfg, num_splits=s))
+        out[key] = r
+        print(H, B, L, key, {k: v for k, v in r.items() if k != "merge_variants"}, flush=True)
+        if "merge_variants" in r:
+            print("   merge", {k: round(v * 1e3, 1) for k, v in r["merge_variants"].items()}, flush=True)
+    return out, sh
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--shapes", default="16:1:4096,16:1:32768,16:1:131072,16:32:4096")
+    ap.add_argument("--splits", default="66,132,264,528")
+    a = ap.parse_args()
+    stamp = datetime.datetime.now(datetime.UTC)
+    props = torch.cuda.get_device_properties(0)
+    l2 = props.L2_cache_size
+    gen = torch.Generator(DEV).manual_seed(0)
+    meta = run_meta(props, stamp, "python bench/split_cost.py " + " ".join(sys.argv[1:]))
+    tiny = torch.zeros(1, device=DEV)
+    meta["floor_ms"] = time_calls([lambda: tiny.add_(1)])
+    print("floor (one trivial kernel, graph, flushed):", meta["floor_ms"], flush=True)
+    meta["rows"] = []
+    splits = [int(s) for s in a.splits.split(",")]
+    last = None
+    for spec in a.shapes.split(","):
+        H, B, L = map(int, spec.split(":"))
+        row, sh = shape_report(H, B, L, gen, l2, splits)
+        meta["rows"].append(row)
+        last = sh if (B, L) == (1, 131072) else last
+        write_record(meta, "splitcost", stamp, a.out)
+    if last is not None:
+        p = Parts(last, "c4r4", {"exact": True})
+        cfg = {"exact": True, "max_len": last.L}
+        o = (p.o, p.lse)
+        t = last.tables["c4r4"]
+        g = torch.cuda.CUDAGraph()
+        fn = functools.partial(triton_decode.decode, last.layers["c4r4"], t[0], last.lengths, last.q, last.qp, TAU)
+        fn(cfg, o)
+        with torch.cuda.graph(g):
+            fn(cfg, o)
+        big = torch.empty(256 << 20, dtype=torch.int8, device=DEV)
+        acc = torch.empty((), dtype=torch.int64, device=DEV)
+        meta["flush"] = {
+            "none": events_ms(g.replay, None),
+            "memset": events_ms(g.replay, big.zero_),
+            "read": events_ms(g.replay, lambda: torch.sum(big.view(torch.int64), out=acc)),
+        }
+        print("flush", meta["flush"], flush=True)
+        write_record(meta, "splitcost", stamp, a.out)
+
+
+if __name__ == "__main__":
+    main()
