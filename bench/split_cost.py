@@ -116,9 +116,7 @@ def shape_report(H, B, L, gen, l2, full_splits) -> dict:
         if p.splits > 1:
             r["merge_variants"] = {
                 f"d{bd}-s{bs}-w{w}": p.merge_variant_ms(bd, bs, w)
-                for bd in (64, 32, 16)
-                for bs in (32, 64)
-                for w in (4, 2)
+                for bd, bs, w in ((16, 512, 4), (16, 512, 8), (32, 256, 4), (64, 64, 4), (64, 32, 2), (512, 8, 4))
             }
         if key != "c16r16":
             r["splits_ms"] = {}
@@ -137,6 +135,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--shapes", default="16:1:4096,16:1:32768,16:1:131072,16:32:4096")
     ap.add_argument("--splits", default="66,132,264,528")
+    ap.add_argument("--flush-only", action="store_true", help="only the flush comparison at batch 1, 128K")
     a = ap.parse_args()
     stamp = datetime.datetime.now(datetime.UTC)
     props = torch.cuda.get_device_properties(0)
@@ -149,31 +148,45 @@ def main() -> None:
     meta["rows"] = []
     splits = [int(s) for s in a.splits.split(",")]
     last = None
-    for spec in a.shapes.split(","):
+    for spec in [] if a.flush_only else a.shapes.split(","):
         H, B, L = map(int, spec.split(":"))
         row, sh = shape_report(H, B, L, gen, l2, splits)
         meta["rows"].append(row)
         last = sh if (B, L) == (1, 131072) else last
         write_record(meta, "splitcost", stamp, a.out)
+    if a.flush_only:
+        last = Shape(16, 1, 131072, gen, l2, formats={"c16r16": (16, 16), "c4r4": (4, 4)})
     if last is not None:
-        p = Parts(last, "c4r4", {"exact": True})
-        cfg = {"exact": True, "max_len": last.L}
-        o = (p.o, p.lse)
-        t = last.tables["c4r4"]
-        g = torch.cuda.CUDAGraph()
-        fn = functools.partial(triton_decode.decode, last.layers["c4r4"], t[0], last.lengths, last.q, last.qp, TAU)
-        fn(cfg, o)
-        with torch.cuda.graph(g):
-            fn(cfg, o)
-        big = torch.empty(256 << 20, dtype=torch.int8, device=DEV)
-        acc = torch.empty((), dtype=torch.int64, device=DEV)
-        meta["flush"] = {
-            "none": events_ms(g.replay, None),
-            "memset": events_ms(g.replay, big.zero_),
-            "read": events_ms(g.replay, lambda: torch.sum(big.view(torch.int64), out=acc)),
-        }
-        print("flush", meta["flush"], flush=True)
+        meta["flush"] = flush_report(last)
         write_record(meta, "splitcost", stamp, a.out)
+
+
+def flush_report(sh: Shape) -> dict:
+    """Event-timed medians at one shape after no flush, a 256 MB memset (do_bench's flush: L2 left
+    full of dirty lines) and a 256 MB read (clean lines): the full exact decode, and the exact and
+    the default C4R4 kernels with no work tiles (code and queries only)."""
+    big = torch.empty(256 << 20, dtype=torch.int8, device=DEV)
+    flushes = {"none": None, "memset": big.zero_, "read": lambda: big.view(torch.int64).sum()}
+    graphs = {}
+    for key, per in (("c4r4_exact_full", None), ("c4r4_exact_per0", 0), ("c4r4_per0", 0), ("c16r16_per0", 0)):
+        name, cfg = FORMATS[key.rsplit("_", 1)[0]]
+        p = Parts(sh, name, cfg)
+        bt = sh.tables[name][0]
+        if per is None:
+            full = dict(cfg, max_len=sh.L)
+
+            def fn(p=p, bt=bt, name=name, full=full):
+                triton_decode.decode(sh.layers[name], bt, sh.lengths, sh.q, sh.qp, TAU, full, (p.o, p.lse))
+        else:
+            fn = functools.partial(p.launch, bt, per)
+        fn()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        graphs[key] = g
+    out = {k: {f: events_ms(g.replay, fl) for f, fl in flushes.items()} for k, g in graphs.items()}
+    print("flush", out, flush=True)
+    return out
 
 
 if __name__ == "__main__":

@@ -127,6 +127,7 @@ L3Z = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 1, 0], [8, 0, 0]],
     lane_bases=[[0, 2, 0], [0, 4, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
     warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 8, 8]))  # fmt: skip
+LO = gl.constexpr(gl.BlockedLayout([1, 1, 1, 4], [1, 2, 16, 1], [4, 1, 1, 1], [3, 2, 1, 0]))
 
 
 @gluon.jit
@@ -348,24 +349,33 @@ def _store_p(psm, p, s8):
 
 
 @gluon.jit
-def _queries(qrow, rrow, hok, qc, qr, zb):
+def _qload(base, g: gl.constexpr, mask):
+    return gl.load(base + 64 * g, mask=mask, other=0.0)
+
+
+@gluon.jit
+def _queries(Qb, stride_qh, Rb, stride_rh, H, qc, qr, zb):
     """The queries q' = q·2^kq per head (max |q'| < 2^15: FP16 holds them exactly) as the score
     wgmma's B tiles: ``qc`` index 8j + g = channel 64g + 4m + j at (head, m), ``qr`` index j =
     RoPE channel 4m + j, the odd nibbles' tiles divided by 16 (those codes enter as 16n); ``zb``:
     2^-8 Σ_{c in g} q'_hc per group g (column 8: RoPE) as a hi/lo pair, the zero-point term's B.
-    ``qrow``/``rrow``: (16,) pointers to each head's row (heads not ``hok`` read as zeros). Returns kq."""
+    ``Qb``/``Rb``: the request's rows of head 0 (heads from ``H`` on read as zeros). Returns kq (in
+    its own layout: the caller converts it once)."""
     LQ: gl.constexpr = gl.BlockedLayout([1, 1, 4], [2, 16, 1], [4, 1, 1], [2, 1, 0])  # (head, word, nibble)
     HQ: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, LQ))
     m = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, LQ)))[None, :, None]
     j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, LQ)))[None, None, :]
-    hq = gl.convert_layout(hok, HQ)[:, None, None] & (m >= 0) & (j >= 0)
-    qb = gl.convert_layout(qrow, HQ)[:, None, None] + 4 * m + j
-    rb = gl.convert_layout(rrow, HQ)[:, None, None] + 4 * m + j
-    amax = gl.max(gl.max(gl.abs(gl.load(rb, mask=hq, other=0.0).to(gl.float32)), axis=2), axis=1)
+    h = gl.arange(0, 16, layout=HQ)[:, None, None]
+    hq = (h < H) & (m >= 0) & (j >= 0)
+    qb = Qb + h * stride_qh + 4 * m + j
+    rb = Rb + h * stride_rh + 4 * m + j
+    # all nine groups loaded at once, before any shared-memory store (a store's barrier would
+    # otherwise hold each group's load behind the previous group's stores)
+    qs = (_qload(qb, 0, hq), _qload(qb, 1, hq), _qload(qb, 2, hq), _qload(qb, 3, hq), _qload(qb, 4, hq),
+          _qload(qb, 5, hq), _qload(qb, 6, hq), _qload(qb, 7, hq), _qload(rb, 0, hq))  # fmt: skip
+    amax = gl.max(gl.max(gl.abs(qs[8].to(gl.float32)), axis=2), axis=1)
     for g in gl.static_range(8):
-        amax = gl.maximum(
-            amax, gl.max(gl.max(gl.abs(gl.load(qb + 64 * g, mask=hq, other=0.0).to(gl.float32)), axis=2), axis=1)
-        )
+        amax = gl.maximum(amax, gl.max(gl.max(gl.abs(qs[g].to(gl.float32)), axis=2), axis=1))
     e = ((amax.to(gl.int32, bitcast=True) >> 23) & 255) - 127  # floor(log2 max |q|)
     kq = gl.minimum(gl.maximum(gl.where(amax > 0, 14 - e, 0), -100), 100)
     sc = ((kq + 127) << 23).to(gl.float32, bitcast=True)[:, None, None]  # 2^kq
@@ -373,10 +383,7 @@ def _queries(qrow, rrow, hok, qc, qr, zb):
     col = gl.arange(0, 16, layout=gl.SliceLayout(0, LZB))[None, :]
     zs = gl.zeros([16, 16], gl.float32, LZB)
     for g in gl.static_range(9):
-        if g < 8:
-            q = gl.load(qb + 64 * g, mask=hq, other=0.0).to(gl.float32) * sc
-        else:
-            q = gl.load(rb, mask=hq, other=0.0).to(gl.float32) * sc
+        q = qs[g].to(gl.float32) * sc
         q0, q1, q2, q3 = _split4(q)
         if g < 8:
             qc.index(g).store(q0.to(gl.float16))
@@ -458,9 +465,7 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, POOL,
             _copy_tile(cs.index(i), rs.index(i), ss.index(i), rss.index(i), zs.index(i), rzs.index(i),
                        POOL + page * PAGE_BYTES, R_OFF, S_OFF, RS_OFF, Z_OFF, RZ_OFF)  # fmt: skip
         async_copy.commit_group()
-    LH: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    qh = gl.arange(0, 16, layout=LH)
-    kq = _queries(Q + b * stride_qb + qh * stride_qh, QPE + b * stride_rb + qh * stride_rh, qh < H, qc, qr, zb)
+    kq = _queries(Q + b * stride_qb, stride_qh, QPE + b * stride_rb, stride_rh, H, qc, qr, zb)
     # per head: the scores in log2 units are c_h · (products), c_h = tau·log2(e)·2^(24 − kq)
     ch = gl.convert_layout(qk_scale * ((151 - kq) << 23).to(gl.float32, bitcast=True), COLS)
     fence_async_shared()
@@ -560,22 +565,22 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, POOL,
             _barrier()
             a0, a1, a2, a3 = _pv_prot(psm, prot, r0, L, a0, a1, a2, a3, A2, B2, L3B, SINK, RECENT)
 
-    # out: O[h, 64g + 4m + j] = (acc_j[g, h, m] − Σ_t p s z [g, h]) / l_h
+    # out: O[h, 64g + 4m + j] = (acc_j[g, h, m] − Σ_t p s z [g, h]) / l_h, the four channels j of
+    # each (g, h, m) in one thread (16-byte stores, a warp's two heads x 256 B contiguous)
     l = gl.sum(lacc, axis=0)
     has = l > 0
     lse = gl.where(has, (m_ref + gl.log2(gl.where(has, l, 1.0))) * 0.6931471805599453, float("-inf"))
     inv = gl.convert_layout(1.0 / gl.where(has, l, 1.0), gl.SliceLayout(0, gl.SliceLayout(2, M2)))[None, :, None]
     nz = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, M2)))
     zsum = gl.sum(gl.where(nz[None, None, :] == 0, az, 0.0), axis=2)[:, :, None]
-    og = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, M2)))[:, None, None]
-    oh = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, M2)))[None, :, None]
-    om = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, M2)))[None, None, :]
-    o_base = O + b * stride_ob + oh * stride_oh + pid_s * stride_os + 64 * og + 4 * om
-    hm = (oh < H) & (og >= 0) & (om >= 0)
-    gl.store(o_base + 0, (a0 - zsum) * inv, mask=hm)
-    gl.store(o_base + 1, (a1 - zsum) * inv, mask=hm)
-    gl.store(o_base + 2, (a2 - zsum) * inv, mask=hm)
-    gl.store(o_base + 3, (a3 - zsum) * inv, mask=hm)
+    y = gl.join(gl.join((a0 - zsum) * inv, (a2 - zsum) * inv), gl.join((a1 - zsum) * inv, (a3 - zsum) * inv))
+    y = gl.convert_layout(gl.reshape(y, [8, 16, 16, 4]), LO)
+    og = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, LO))))[:, None, None, None]
+    oh = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, LO))))[None, :, None, None]
+    om = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, LO))))[None, None, :, None]
+    oj = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LO))))[None, None, None, :]
+    o_ptr = O + b * stride_ob + oh * stride_oh + pid_s * stride_os + 64 * og + 4 * om + oj
+    gl.store(o_ptr, y, mask=(oh < H) & (og >= 0) & (om >= 0) & (oj >= 0))
     lh = gl.arange(0, 16, layout=COLS)
     if SPLIT:
         gl.store(LSE + (b * H + lh) * gl.num_programs(0) + pid_s, lse, mask=lh < H)

@@ -377,27 +377,31 @@ def _decode_kernel(
 
 @triton.jit
 def _combine_kernel(OP, LSEP, O, LSE, S, DC: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Merge the ``S`` partial (output, LSE) pairs of one (request, head) row, ``BLOCK_D`` columns per program."""
+    """Merge the ``S`` partial (output, LSE) pairs of one (request, head) row, ``BLOCK_D`` columns per
+    program, in one pass over blocks of ``BLOCK_S`` splits (the running maximum rescales the sums;
+    :func:`merge` sizes the block to hold every split, so there is usually one)."""
     row = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     sp = tl.arange(0, BLOCK_S)
-    m = tl.full([BLOCK_S], float("-inf"), tl.float32)
-    for s0 in range(0, S, BLOCK_S):
-        m = tl.maximum(m, tl.load(LSEP + row * S + s0 + sp, mask=s0 + sp < S, other=float("-inf")))
-    m_all = tl.max(m, 0)
-    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    m_run = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
     total = tl.zeros([BLOCK_S], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
     for s0 in range(0, S, BLOCK_S):
         ok = s0 + sp < S
-        w = tl.exp(tl.load(LSEP + row * S + s0 + sp, mask=ok, other=float("-inf")) - m_safe)
+        lse = tl.load(LSEP + row * S + s0 + sp, mask=ok, other=float("-inf"))
         o = tl.load(OP + (row * S + s0 + sp[:, None]) * DC + d[None, :], mask=ok[:, None], other=0.0)
-        total += w
-        acc += tl.sum(w[:, None] * o, 0)
+        m_new = tl.maximum(m_run, tl.max(lse, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_run - m_safe)  # 0 while nothing has been summed (m_run = -inf)
+        w = tl.exp(lse - m_safe)
+        total = total * alpha + w
+        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
+        m_run = m_new
     t = tl.sum(total, 0)
     has = t > 0
     tl.store(O + row * DC + d, acc / tl.where(has, t, 1.0))
     if tl.program_id(1) == 0:
+        m_safe = tl.where(m_run == float("-inf"), 0.0, m_run)
         tl.store(LSE + row, tl.where(has, m_safe + tl.log(tl.where(has, t, 1.0)), float("-inf")))
 
 
@@ -687,10 +691,11 @@ def merge(op, lsep, o, lse) -> None:
     B, H, splits, d_c = op.shape
     if splits == 1:
         return
-    block_d = min(64, d_c & -d_c)  # a power of two dividing d_c
-    _combine_kernel[(B * H, d_c // block_d)](
-        op, lsep, o, lse, splits, DC=d_c, BLOCK_S=min(32, triton.next_power_of_2(splits)), BLOCK_D=block_d
-    )
+    # every split in one block (up to 512), columns so that a program holds ~8K partial values:
+    # one pass, and at batch 1 hundreds of programs (v25)
+    block_s = min(512, triton.next_power_of_2(splits))
+    block_d = min(d_c & -d_c, max(16, 8192 // block_s))  # a power of two dividing d_c
+    _combine_kernel[(B * H, d_c // block_d)](op, lsep, o, lse, splits, DC=d_c, BLOCK_S=block_s, BLOCK_D=block_d)
 
 
 def constexprs(layer, cfg: dict, split: bool, sink_in_tile0: bool) -> dict:
