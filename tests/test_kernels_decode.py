@@ -181,6 +181,29 @@ def test_decode_of_an_empty_request():
     assert torch.isinf(lse[1]).all() and (o[1] == 0).all() and torch.isfinite(lse[0]).all()
 
 
+@pytest.mark.parametrize("splits", [3, 700])  # 700: more splits than one block of the merge holds
+def test_merge_of_splits_is_their_lse_weighted_mean(splits):
+    from quantmla.kernels import triton_decode
+
+    gen = torch.Generator().manual_seed(splits)
+    B, H, d_c = 2, 3, 96
+    op = torch.randn(B, H, splits, d_c, generator=gen).to(DEVICE)
+    lsep = (torch.randn(B, H, splits, generator=gen) * 20).to(DEVICE)
+    lsep[0, 0, ::2] = float("-inf")  # splits that held no token
+    lsep[0, 0, -1] = 60.0  # one split far above the others (the running maximum moves late)
+    lsep[1, 2] = float("-inf")  # a row with no token at all
+    o, lse = _poisoned(B, H, d_c)
+    triton_decode.merge(op, lsep, o, lse)
+    lp = lsep.double().cpu()
+    want_lse = torch.logsumexp(lp, dim=-1)
+    w = torch.exp(lp - torch.where(torch.isinf(want_lse), 0.0, want_lse)[..., None])
+    want_o = (w[..., None] * op.double().cpu()).sum(2)
+    assert same_inf(lse.cpu(), want_lse) and (o[1, 2] == 0).all()
+    ok = torch.isfinite(want_lse)
+    assert (lse.cpu().double() - want_lse)[ok].abs().max() < 1e-4
+    assert rel(o.cpu().double()[ok], want_o[ok]) < 1e-5
+
+
 @pytest.mark.parametrize("cb", [16, 4, 2])
 def test_decode_with_p_as_one_bf16_tile(cb):
     """``pv_split=False`` (P·V with P rounded to BF16 once, FlashMLA's precision) on 64-head tiles:
