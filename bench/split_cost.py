@@ -14,6 +14,8 @@ with ``bench/decode.py``'s method (CUDA-graph replays, L2 flushed, medians):
 - ``splits``: the full decode at other split counts;
 - ``merge_variants``: the merge kernel with other column blocks and warps;
 - ``floor``: a graph of one trivial kernel under the same flush (what the method itself costs);
+- ``protected``: at batch 1, 128K, the exact kernel with and without its last split (the one that
+  holds the protected tiles), each with and without their L2 prefetch;
 - ``flush``: the full exact decode at batch 1, 128K timed by events after no flush, after
   do_bench's flush (a 256 MB memset, which leaves L2 full of dirty lines) and after a flush by
   reading 256 MB (clean lines).
@@ -57,11 +59,11 @@ class Parts:
         self.lse = torch.empty(sh.B, sh.H, device=DEV)
         self.op, self.lsep = triton_decode.partials(self.o, self.lse, self.splits)
 
-    def launch(self, bt, per=None):
+    def launch(self, bt, per=None, splits=None, ablate=0):
         sh, layer, per = self.sh, self.layer, self.per if per is None else per
-        args = (layer, bt, sh.lengths, sh.q, sh.qp, self.op, self.lsep, TAU, self.splits, per)
+        args = (layer, bt, sh.lengths, sh.q, sh.qp, self.op, self.lsep, TAU, splits or self.splits, per)
         if self.kernel == "exact":
-            triton_decode._exact().decode(*args)
+            triton_decode._exact().decode(*args, ablate=ablate)
         elif self.kernel == "gluon":
             triton_decode._gluon().decode(*args)
         elif self.kernel == "mma16":
@@ -135,7 +137,9 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--shapes", default="16:1:4096,16:1:32768,16:1:131072,16:32:4096")
     ap.add_argument("--splits", default="66,132,264,528")
-    ap.add_argument("--flush-only", action="store_true", help="only the flush comparison at batch 1, 128K")
+    ap.add_argument(
+        "--b1-only", action="store_true", help="only the protected-tile and flush comparisons at batch 1, 128K"
+    )
     a = ap.parse_args()
     stamp = datetime.datetime.now(datetime.UTC)
     props = torch.cuda.get_device_properties(0)
@@ -148,17 +152,31 @@ def main() -> None:
     meta["rows"] = []
     splits = [int(s) for s in a.splits.split(",")]
     last = None
-    for spec in [] if a.flush_only else a.shapes.split(","):
+    for spec in [] if a.b1_only else a.shapes.split(","):
         H, B, L = map(int, spec.split(":"))
         row, sh = shape_report(H, B, L, gen, l2, splits)
         meta["rows"].append(row)
         last = sh if (B, L) == (1, 131072) else last
         write_record(meta, "splitcost", stamp, a.out)
-    if a.flush_only:
+    if a.b1_only:
         last = Shape(16, 1, 131072, gen, l2, formats={"c16r16": (16, 16), "c4r4": (4, 4)})
     if last is not None:
+        meta["protected"] = protected_report(last)
         meta["flush"] = flush_report(last)
         write_record(meta, "splitcost", stamp, a.out)
+
+
+def protected_report(sh: Shape) -> dict:
+    """The exact kernel alone at the shape's split count and with its last split left out (at
+    batch 1, 128K that split holds only the three protected tiles; outputs incomplete, timing
+    only), each with and without the L2 prefetch of the protected rows (``ablate=4``)."""
+    p = Parts(sh, "c4r4", {"exact": True})
+    out = {}
+    for s in (p.splits, p.splits - 1):
+        for abl in (0, 4):
+            out[f"splits{s}-ablate{abl}"] = time_calls([functools.partial(p.launch, t, None, s, abl) for t in p.tables])
+    print("protected", out, flush=True)
+    return out
 
 
 def flush_report(sh: Shape) -> dict:

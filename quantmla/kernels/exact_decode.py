@@ -484,6 +484,13 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, POOL,
     pn = gl.load(bt_row + gl.minimum(t_lo + NS - 1, t_hi - 1), mask=t_lo < t_hi, other=0).to(gl.int64)
     pp = gl.load(bt_row + gl.minimum(t_lo + NS, t_hi - 1), mask=t_lo < t_hi, other=0).to(gl.int64)
     tid = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0]))
+    # the protected rows (sink, then the recent ring) are this request's work tiles n_tiles, …: the
+    # ones of this split, read after its page tiles, go to L2 now
+    p_lo = gl.maximum(t_lo - n_tiles, 0) * BN
+    p_hi = gl.minimum(t_lo + tiles_per_split - n_tiles, (SINK + RECENT + BN - 1) // BN) * BN
+    if ABL != 4:  # ablation 4 (timing only): no prefetch of the protected rows
+        if p_lo < p_hi:
+            _prefetch_page(PROT + b * stride_pb + p_lo * 576, tid, (gl.minimum(p_hi, SINK + RECENT) - p_lo) * 1152)
     for t in range(t_lo, t_hi):
         it = t - t_lo
         async_copy.wait_group(NS - 2)
@@ -551,10 +558,7 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, POOL,
     a3 = a3 * 1048576.0
     az = az * 16777216.0
 
-    # the protected rows (sink, then the recent ring) are this request's work tiles n_tiles, …
-    p_lo = gl.maximum(t_lo - n_tiles, 0) * BN
-    p_hi = gl.minimum(t_lo + tiles_per_split - n_tiles, (SINK + RECENT + BN - 1) // BN) * BN
-    if p_lo < p_hi:
+    if p_lo < p_hi:  # this split's protected rows
         prot = PROT + b * stride_pb
         one = gl.full([BN], 1.0, gl.float32, ROWS)
         for r0 in range(p_lo, p_hi, BN):
@@ -608,8 +612,8 @@ def decode(
     sink and ring as three tiles): ``q``, ``qpe`` BF16 contiguous; ``o`` (B, H, splits, d_c) and
     ``lse`` (B, H, splits) float32 partials when ``splits > 1``, else the outputs themselves.
     ``late_check``: the running maximum checked per warp beside P' (True) or by a reduction over
-    the tile before P (False); ``ablate`` (timing only, wrong outputs): 1 no P·V, 2 no score
-    products, 3 no maximum check."""
+    the tile before P (False); ``ablate`` (timing only): 1 no P·V, 2 no score products, 3 no
+    maximum check (wrong outputs), 4 no L2 prefetch of the protected rows."""
     B, H, _ = q.shape
     fmt = layer.fmt
     prot = layer.prot
