@@ -48,9 +48,9 @@ been brought from the codes' 2^-24 units to units of 1. Splits and the LSE merge
 kernel's. Range: P <= 2^LAZY and P' = P·s in FP16 take content scales below 4,000 (group ranges
 below 60,000).
 
-Measured on the H200 (bench/NOTES.md, v24 and v25): 1.46-1.73x the speed of C16R16 at 16 heads,
-batch >= 32 and 8K tokens or more, where the default kernels run C4R4 at 0.92-0.99x; 1.26x at
-batch 1 and 128K; slower than both at batch 1 and short contexts (0.76x at 4K), where each split
+Measured on the H200 (bench/NOTES.md, v24 and v25): 1.43-1.62x the speed of C16R16 at 16 heads,
+batch >= 32 and 8K tokens or more, where the default kernels run C4R4 at 0.88-0.98x; 1.27x at
+batch 1 and 128K; slower than both at batch 1 and short contexts (0.82x at 4K), where each split
 holds one tile.
 
 Takes C4R4 in a BF16 cache (group 64, d_c 512, d_r 64, protection buffers on) for at most 16 heads
