@@ -351,6 +351,7 @@ def _store_p(psm, p, s8):
 
 @gluon.jit
 def _qload(base, g: gl.constexpr, mask):
+    """Group ``g``'s query channels (BF16, as stored) at the (head, word, nibble) pointers ``base``."""
     return gl.load(base + 64 * g, mask=mask, other=0.0)
 
 
@@ -490,7 +491,8 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, POOL,
     p_hi = gl.minimum(t_lo + tiles_per_split - n_tiles, (SINK + RECENT + BN - 1) // BN) * BN
     if ABL != 4:  # ablation 4 (timing only): no prefetch of the protected rows
         if p_lo < p_hi:
-            _prefetch_page(PROT + b * stride_pb + p_lo * 576, tid, (gl.minimum(p_hi, SINK + RECENT) - p_lo) * 1152)
+            row_bytes: gl.constexpr = 576 * 2  # a protected row: d_c + d_r BF16 values
+            _prefetch_page(PROT + b * stride_pb + p_lo * 576, tid, (gl.minimum(p_hi, SINK + RECENT) - p_lo) * row_bytes)
     for t in range(t_lo, t_hi):
         it = t - t_lo
         async_copy.wait_group(NS - 2)
