@@ -54,22 +54,20 @@ class Parts:
         self.sh, self.layer, self.tables = sh, sh.layers[name], sh.tables[name]
         cfg = dict(cfg, max_len=sh.L) | ({} if splits is None else {"num_splits": splits})
         self.cfg = triton_decode.default_config(sh.B, sh.H, sh.L, self.layer, DEV, cfg)
-        self.kernel, self.splits, self.per, self.sink0 = triton_decode.plan(self.layer, sh.H, self.cfg, DEV, sh.L)
+        self.plan = triton_decode.plan(self.layer, sh.H, self.cfg, DEV, sh.L)
+        self.kernel, self.splits, self.per, _ = self.plan
         self.o = torch.empty(sh.B, sh.H, 512, device=DEV)
         self.lse = torch.empty(sh.B, sh.H, device=DEV)
         self.op, self.lsep = triton_decode.partials(self.o, self.lse, self.splits)
 
     def launch(self, bt, per=None, splits=None, ablate=0):
-        sh, layer, per = self.sh, self.layer, self.per if per is None else per
-        args = (layer, bt, sh.lengths, sh.q, sh.qp, self.op, self.lsep, TAU, splits or self.splits, per)
-        if self.kernel == "exact":
-            triton_decode._exact().decode(*args, ablate=ablate)
-        elif self.kernel == "gluon":
-            triton_decode._gluon().decode(*args)
-        elif self.kernel == "mma16":
-            triton_decode._mma16().decode(*args)
+        sh, pl = self.sh, self.plan._replace(per=self.per if per is None else per, splits=splits or self.splits)
+        if ablate:  # the exact kernel's timing variants
+            triton_decode._exact().decode(
+                self.layer, bt, sh.lengths, sh.q, sh.qp, self.op, self.lsep, TAU, pl.splits, pl.per, ablate=ablate
+            )
         else:
-            triton_decode._launch(*args[:8], self.cfg, self.splits, per, self.sink0)
+            triton_decode.launch(pl, self.layer, bt, sh.lengths, sh.q, sh.qp, self.op, self.lsep, TAU, self.cfg)
 
     def kernel_ms(self, per=None) -> float:
         return time_calls([functools.partial(self.launch, t, per) for t in self.tables])

@@ -652,24 +652,32 @@ def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | 
     block_h, block_n = cfg["block_h"], cfg["block_n"]
     if block_h < 16 or block_n < 16 or PAGE % block_n or (block_h & (block_h - 1)):
         raise ValueError(f"decode tiles: block_n must divide {PAGE}, both powers of two of at least 16; got {cfg}")
-    kernel, splits, per, sink_in_tile0 = plan(layer, H, cfg, dev, max_len)
+    pl = plan(layer, H, cfg, dev, max_len)
     q = q_lat.to(fmt.dtype).contiguous()
     qpe = q_pe.to(fmt.dtype).contiguous()
     o, lse = out if out is not None else (torch.empty(B, H, fmt.d_c, dtype=torch.float32, device=dev), None)
     lse = lse if lse is not None else torch.empty(B, H, dtype=torch.float32, device=dev)
     if B == 0:
         return o, lse
-    op, lsep = partials(o, lse, splits)
-    if kernel == "exact":
-        _exact().decode(layer, block_table, lengths, q, qpe, op, lsep, tau, splits, per, cfg.get("maxnreg"))
-    elif kernel == "gluon":
-        _gluon().decode(layer, block_table, lengths, q, qpe, op, lsep, tau, splits, per)
-    elif kernel == "mma16":
-        _mma16().decode(layer, block_table, lengths, q, qpe, op, lsep, tau, splits, per)
-    else:
-        _launch(layer, block_table, lengths, q, qpe, op, lsep, tau, cfg, splits, per, sink_in_tile0)
+    op, lsep = partials(o, lse, pl.splits)
+    launch(pl, layer, block_table, lengths, q, qpe, op, lsep, tau, cfg)
     merge(op, lsep, o, lse)
     return o, lse
+
+
+def launch(pl: Plan, layer, block_table, lengths, q, qpe, op, lsep, tau: float, cfg: dict) -> None:
+    """The decode kernel of plan ``pl`` into the partials ``op``/``lsep`` of :func:`partials` (no
+    merge): ``q``, ``qpe`` in the cache dtype, contiguous; ``cfg`` the full tile config."""
+    kernel, splits, per, sink_in_tile0 = pl
+    args = (layer, block_table, lengths, q, qpe, op, lsep, tau, splits, per)
+    if kernel == "exact":
+        _exact().decode(*args, cfg.get("maxnreg"))
+    elif kernel == "gluon":
+        _gluon().decode(*args)
+    elif kernel == "mma16":
+        _mma16().decode(*args)
+    else:
+        _launch(*args[:8], cfg, splits, per, sink_in_tile0)
 
 
 def partials(o, lse, splits: int):
@@ -750,4 +758,4 @@ def _launch(layer, block_table, lengths, q, qpe, op, lsep, tau, cfg, splits, per
     )
 
 
-__all__ = ["decode", "default_config", "merge", "partials", "plan", "split_work", "uses_gluon", "uses_mma16"]
+__all__ = ["decode", "default_config", "launch", "merge", "partials", "plan", "split_work", "uses_gluon", "uses_mma16"]
