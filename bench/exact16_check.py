@@ -4,13 +4,13 @@
     python bench/exact16_check.py --check-only
     python bench/exact16_check.py --shapes 16:32:32768,16:1:131072
 
-Correctness: ragged batches written by the real writer, 9 and 16 heads, 1 to many splits, outputs
+Correctness: ragged batches of C4R4 and C2R4 pages written by the real writer, 9 and 16 heads, 1 to many splits, outputs
 poisoned with NaN before each call, against :func:`quantmla.kernels.reference.decode` with
 ``exact=True`` (float64 attention over the exact ``s·(q − z)``); the paper-semantics reference
 (BF16-rounded rows) is printed beside it for scale. Also checks that the tensor cores keep FP16
 subnormals (the kernel's codes are subnormal FP16 numbers). Timing: ``bench/decode.py``'s method
 (CUDA-graph replays, L2 flushed, medians) for C16R16, C4R4 with the default kernels, C4R4 with a
-BF16 P, and C4R4 exact, in one run; then, at ``--ablate-shape``, the kernel's variants: the
+BF16 P, C4R4 exact, C2R4 with the default kernels and C2R4 exact, in one run; then, at ``--ablate-shape``, the kernel's variants: the
 running maximum checked by a reduction before P (``late_check=False``) instead of per warp
 beside P', and each stage left out in turn (``ablate`` 1: no P·V, 2: no score products, 3: no
 maximum check; wrong outputs, timing only). Writes ``exact16-<date>.json`` under ``--out``.
@@ -51,11 +51,11 @@ def subnormal_check(gen) -> float:
     return float((got - ref).norm() / ref.norm())
 
 
-def case(H, lengths, splits, gen, scale=1.0):
+def case(H, lengths, splits, gen, scale=1.0, cb=4):
     """(rel. error of o, max |lse error|) against the exact reference, the same for the
-    paper-semantics reference, and whether every output was written."""
+    paper-semantics reference, and whether every output was written; C``cb``R4 pages."""
     B = len(lengths)
-    fmt = PageFormat(4, 4)
+    fmt = PageFormat(cb, 4)
     per = max(-(-L // 64) for L in lengths)
     layer = PagedLayer(fmt, B * per + 3, DEV, batch=B, sink=4, recent=128)
     layer.pool.random_(0, 256, generator=gen)  # slots no token was written to hold anything
@@ -79,7 +79,7 @@ def case(H, lengths, splits, gen, scale=1.0):
     full = triton_decode.default_config(B, H, max(lengths), layer, DEV, cfg)
     plan = triton_decode.plan(layer, H, full, DEV, max(lengths))
     return dict(
-        H=H, lengths=lengths, splits=plan.splits, per=plan.per, scale=scale, written=written,
+        fmt=fmt.name, H=H, lengths=lengths, splits=plan.splits, per=plan.per, scale=scale, written=written,
         o_rel=float((o - ro).norm() / ro.norm()), lse_abs=float((lse - rl).abs().max()),
         paper_o_rel=float((po - ro).norm() / ro.norm()), paper_lse_abs=float((pl - rl).abs().max()),
     )  # fmt: skip
@@ -136,11 +136,12 @@ def main() -> None:
     meta["subnormal_rel_err"] = subnormal_check(gen)
     print("fp16 subnormal product, rel. error:", meta["subnormal_rel_err"], flush=True)
     meta["cases"] = []
-    for H, lengths, splits in CASES:
-        for scale in (1.0, 8.0) if lengths == [1000, 67, 5000] and splits == 3 else (1.0,):
-            r = case(H, lengths, splits, gen, scale)
-            meta["cases"].append(r)
-            print(r, flush=True)
+    for cb in (4, 2):
+        for H, lengths, splits in CASES:
+            for scale in (1.0, 8.0) if lengths == [1000, 67, 5000] and splits == 3 else (1.0,):
+                r = case(H, lengths, splits, gen, scale, cb)
+                meta["cases"].append(r)
+                print(r, flush=True)
     ok = all(r["written"] and r["o_rel"] < 2e-3 and r["lse_abs"] < 2e-3 for r in meta["cases"])
     print("correct:", ok, flush=True)
     if not args.check_only:
@@ -149,14 +150,15 @@ def main() -> None:
         rows = []
         for spec in args.shapes.split(","):
             H, B, L = map(int, spec.split(":"))
-            sh = Shape(H, B, L, gen, l2, formats={"c16r16": (16, 16), "c4r4": (4, 4)})
+            sh = Shape(H, B, L, gen, l2, formats={"c16r16": (16, 16), "c4r4": (4, 4), "c2r4": (2, 4)})
             row = dict(H=H, B=B, L=L)
-            for key, name, cfg in (("c16r16", "c16r16", {}), ("c4r4", "c4r4", {}),
-                                   ("c4r4_bf16p", "c4r4", {"pv_split": False}), ("c4r4_exact", "c4r4", {"exact": True})):  # fmt: skip
+            timed = (("c16r16", "c16r16", {}), ("c4r4", "c4r4", {}), ("c4r4_bf16p", "c4r4", {"pv_split": False}),
+                     ("c4r4_exact", "c4r4", {"exact": True}), ("c2r4", "c2r4", {}), ("c2r4_exact", "c2r4", {"exact": True}))  # fmt: skip
+            for key, name, cfg in timed:
                 ms = sh.time(name, cfg)
                 row[f"{key}_ms"] = ms
                 row[f"{key}_TBps"] = sh.stored_bytes(name) / ms / 1e9
-            for key in ("c4r4", "c4r4_bf16p", "c4r4_exact"):
+            for key, _, _ in timed[1:]:
                 row[f"{key}_speedup_vs_c16r16"] = row["c16r16_ms"] / row[f"{key}_ms"]
             rows.append(row)
             print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)

@@ -3,11 +3,12 @@
     python bench/gluon_sass.py            # the Gluon kernel, C4R4 and C2R4
     python bench/gluon_sass.py --bits 4 --keep /tmp/g4.sass
     python bench/gluon_sass.py --mma16    # the 16-head register-fed kernel (quantmla/kernels/mma_decode.py)
-    python bench/gluon_sass.py --exact    # the 16-head exact-dequantization kernel (quantmla/kernels/exact_decode.py)
+    python bench/gluon_sass.py --exact    # the 16-head exact-dequantization kernel, C4R4 and C2R4 (quantmla/kernels/exact_decode.py)
     python bench/gluon_sass.py --triton   # the Triton kernel at 16 heads, sink in page tile 0 and not
 
 Prints, per content width: registers, stack (spill) bytes, shared memory, and for each loop of
-the kernel its instruction count, its HGMMA (wgmma) and HMMA (mma.sync) counts, and its ``BSSY`` count (divergent regions:
+the kernel its instruction count, its HGMMA (wgmma) and HMMA (mma.sync) counts, its local-memory
+accesses (``LDL``/``STL``: spills) and its ``BSSY`` count (divergent regions:
 bench/NOTES.md, v16, found the page loop 4-6 % faster when ptxas compiles its cross-warp
 reductions predicated, with none). Uses the installed Triton's compiler and ``cuobjdump``; the
 H200 runs Triton 3.6, whose ``ptxas`` is the one the notes quote (other versions schedule
@@ -44,7 +45,7 @@ INSTR = re.compile(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)(
 def compile_sass(bits: int, mma16: bool = False, exact: bool = False) -> tuple[str, str, int]:
     """(SASS text, resource line, shared bytes) of the kernel for ``bits``-bit content codes (or
     of the 16-head register-fed kernel :mod:`quantmla.kernels.mma_decode`, or of the 16-head
-    exact-dequantization kernel :mod:`quantmla.kernels.exact_decode`, C4R4 only)."""
+    exact-dequantization kernel :mod:`quantmla.kernels.exact_decode`)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     if exact:
@@ -53,7 +54,7 @@ def compile_sass(bits: int, mma16: bool = False, exact: bool = False) -> tuple[s
         from quantmla.kernels import PageFormat, exact_decode
 
         k, warps = exact_decode._exact16_kernel, exact_decode.WARPS
-        consts = exact_decode.constexprs(PageFormat(4, 4, 512, 64, 64, torch.bfloat16), 4, 128, True)
+        consts = exact_decode.constexprs(PageFormat(bits, 4, 512, 64, 64, torch.bfloat16), 4, 128, True)
     elif mma16:
         from quantmla.kernels import mma_decode
 
@@ -120,7 +121,7 @@ def _sass(c) -> tuple[str, str, int]:
 
 
 def loops(sass: str) -> list[dict]:
-    """Each backward branch's body: instruction, HGMMA, HMMA and BSSY counts."""
+    """Each backward branch's body: instruction, HGMMA, HMMA, BSSY and local-memory (spill) access counts."""
     ins = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in INSTR.finditer(sass)]
     out = []
     for addr, op, rest in ins:
@@ -128,7 +129,8 @@ def loops(sass: str) -> list[dict]:
         if target and int(target.group(1), 16) < addr:
             body = [o for a, o, _ in ins if int(target.group(1), 16) <= a <= addr]
             out.append(dict(instructions=len(body), hgmma=sum(o.startswith("HGMMA") for o in body),
-                            hmma=sum(o.startswith("HMMA") for o in body), bssy=sum(o == "BSSY" for o in body)))  # fmt: skip
+                            hmma=sum(o.startswith("HMMA") for o in body), bssy=sum(o == "BSSY" for o in body),
+                            local=sum(o.startswith(("LDL", "STL")) for o in body)))  # fmt: skip
     return out
 
 
@@ -138,7 +140,7 @@ def main() -> None:
     ap.add_argument("--keep", help="also write the SASS here (one width only)")
     ap.add_argument("--mma16", action="store_true", help="the 16-head register-fed kernel instead (C4R4)")
     ap.add_argument("--triton", action="store_true", help="the Triton kernel at 16 heads instead")
-    ap.add_argument("--exact", action="store_true", help="the 16-head exact-dequantization kernel instead (C4R4)")
+    ap.add_argument("--exact", action="store_true", help="the 16-head exact-dequantization kernel instead")
     args = ap.parse_args()
     print(f"triton {triton.__version__}, sm_90")
     if args.triton:
@@ -149,14 +151,14 @@ def main() -> None:
                 kinds = ", ".join(f"{n} {o}" for o, n in sorted(Counter(ops).items()))
                 print(f"triton C{bits}R4 sink_in_tile0={swap}: {res} shared={shared} B, {len(ops)} HMMA ({kinds})")
         return
-    for bits in [4] if args.mma16 or args.exact else args.bits:
+    for bits in [4] if args.mma16 else args.bits:
         sass, res, shared = compile_sass(bits, args.mma16, args.exact)
         if args.keep:
             Path(args.keep).write_text(sass)
         print(f"{'mma16 ' if args.mma16 else 'exact ' if args.exact else ''}C{bits}R4: {res} shared={shared} B")
         for i, loop in enumerate(loops(sass)):
             print(f"  loop {i}: {loop['instructions']} instructions, {loop['hgmma']} HGMMA, {loop['hmma']} HMMA, "
-                  f"{loop['bssy']} BSSY")  # fmt: skip
+                  f"{loop['bssy']} BSSY, {loop['local']} local")  # fmt: skip
 
 
 if __name__ == "__main__":

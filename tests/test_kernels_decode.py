@@ -437,14 +437,14 @@ def test_reference_exact_decode_is_attention_over_the_unrounded_dequantized_cach
 
 
 def test_exact_decode_raises_where_its_kernel_does_not_run():
-    """Config ``exact`` is only honoured by the exact-dequantization kernel: C4R4 in BF16 with
-    protection at up to 16 heads on a Hopper GPU. Elsewhere (the interpreter, C2R4, 17 heads) the
-    call raises with what it needs, before any launch, rather than computing another function."""
+    """Config ``exact`` is only honoured by the exact-dequantization kernel: C4R4 or C2R4 in BF16
+    with protection at up to 16 heads on a Hopper GPU. Elsewhere (the interpreter, C3R4, 17 heads)
+    the call raises with what it needs, before any launch, rather than computing another function."""
     gen = torch.Generator().manual_seed(3)
     c4, bt, lens, _, _ = filled_layer(PageFormat(4, 4), [70], gen)
-    c2, bt2, lens2, _, _ = filled_layer(PageFormat(2, 4), [70], gen)
+    c3, bt3, lens3, _, _ = filled_layer(PageFormat(3, 4), [70], gen)
     q, qp = _queries(1, 17, gen)
-    bad = [(c2, bt2, lens2, q[:, :16], qp[:, :16]), (c4, bt, lens, q, qp)]
+    bad = [(c3, bt3, lens3, q[:, :16], qp[:, :16]), (c4, bt, lens, q, qp)]
     if not _hopper():
         bad.append((c4, bt, lens, q[:, :16], qp[:, :16]))
     for layer, t, n, qq, qqp in bad:
@@ -453,17 +453,18 @@ def test_exact_decode_raises_where_its_kernel_does_not_run():
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernels need a Hopper GPU (Gluon has no interpreter)")
+@pytest.mark.parametrize("cb", [4, 2])
 @pytest.mark.parametrize("H, splits", [(16, None), (16, 1), (16, 3), (9, 2), (1, None)], ids=str)
-def test_exact_decode_matches_the_exact_reference(H, splits):
+def test_exact_decode_matches_the_exact_reference(H, splits, cb):
     """The exact-dequantization kernel against float64 attention over s·(q − z) (reference.decode
     with exact=True): ragged requests (shorter than the protected rows, not page multiples, empty),
     one to three or the default splits; every output written; within P's FP16 rounding (1e-3; the
     BF16-rounded rows of the default kernels alone sit ~1e-3 away on such latents), LSE to 1e-5."""
     from quantmla.kernels.triton_decode import default_config, plan
 
-    gen = torch.Generator().manual_seed(31 + H)
+    gen = torch.Generator().manual_seed(31 + H + cb)
     lengths = [4000, 300, 70, 1, 0]
-    layer, bt, lens, _, _ = filled_layer(PageFormat(4, 4), lengths, gen)
+    layer, bt, lens, _, _ = filled_layer(PageFormat(cb, 4), lengths, gen)
     q, qp = _queries(len(lengths), H, gen)
     cfg = dict(exact=True) if splits is None else dict(exact=True, num_splits=splits)
     full = default_config(len(lengths), H, 4000, layer, q.device, cfg)
@@ -476,12 +477,13 @@ def test_exact_decode_matches_the_exact_reference(H, splits):
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernels need a Hopper GPU (Gluon has no interpreter)")
-def test_exact_decode_reads_protected_rows_from_the_protection_buffer():
+@pytest.mark.parametrize("cb", [4, 2])
+def test_exact_decode_reads_protected_rows_from_the_protection_buffer(cb):
     """As for the other kernels: with the sink and ring rows of the protection buffer replaced by
     unrelated values, the exact kernel follows them (one split and three) and not the pages."""
-    gen = torch.Generator().manual_seed(5)
+    gen = torch.Generator().manual_seed(5 + cb)
     lengths = [300, 70, 3, 200]
-    layer, bt, lens, _, _ = filled_layer(PageFormat(4, 4), lengths, gen)
+    layer, bt, lens, _, _ = filled_layer(PageFormat(cb, 4), lengths, gen)
     q, qp = _queries(len(lengths), 16, gen)
     o_pages, _ = ref.decode(layer, bt, lens, q, qp, 576**-0.5, exact=True)
     layer.prot.copy_((torch.randn(layer.prot.shape, generator=gen) * 3 - 1).to(layer.prot.device, layer.prot.dtype))

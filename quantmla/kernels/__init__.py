@@ -152,7 +152,7 @@ DECODE_CONFIG = {
     "64-token tiles, sm_90, long enough splits): True by default",
     "mma16_min_tiles": "fewest tiles per split for the register-fed kernel (default triton_decode.MMA16_MIN_TILES)",
     "exact": "attention over the exactly dequantized cache, s·(q − z) without the BF16 rounding of the "
-    "reconstructed tile, P in FP16: the exact_decode Gluon kernel (C4R4 in BF16, <= 16 heads, sm_90); "
+    "reconstructed tile, P in FP16: the exact_decode Gluon kernel (C4R4 or C2R4 in BF16, <= 16 heads, sm_90); "
     "False by default (the reference's semantics); its reference is reference.decode(..., exact=True)",
 }
 PREFILL_CONFIG = {

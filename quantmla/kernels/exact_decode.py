@@ -1,4 +1,4 @@
-"""Decode over C4R4 pages for up to 16 heads, in Gluon for sm_90, on the exact dequantized cache:
+"""Decode over C4R4 and C2R4 pages for up to 16 heads, in Gluon for sm_90, on the exact dequantized cache:
 the codes enter the tensor cores as the integers they are, and the scales and zero-points are
 applied to the products instead of to every element.
 
@@ -21,8 +21,15 @@ Eq. 35-36 define it, without the BF16 rounding of the reconstructed tile that th
 amplifies; bench/NOTES.md v19). P enters P·V in FP16 (11 significant bits, where FlashMLA's BF16 P
 has 8). :func:`quantmla.kernels.reference.decode` with ``exact=True`` is this kernel's reference.
 
+2-bit content codes (C2R4; the RoPE codes stay 4-bit) take the same path with other masks: code i
+of a 16-bit word (bits 2i, 2i+1) is ``and`` with 0x0003 << 2(i mod 4), after a shift by 8 for codes
+4-7, so f_i·n·2^-24 with f_i = 4^(i mod 4), still one logical operation per two codes. Codes p and
+p + 4 of a group's 8 words sit side by side as one wgmma's 16 K values (their query tiles divided
+by 4^p), and P·V keeps one accumulator per code position (8 of 8 words instead of 4 of 16): the
+same 39 wgmma and 72 ``mma.sync`` per tile, on half the content bytes.
+
 Per 64-token page tile, in one warpgroup (4 warps) per program, two programs per SM (255
-registers and 83 KB of shared memory each):
+registers and 83 KB of shared memory each at C4R4, 67 KB at C2R4):
 
 - the page (codes, scales and zero-points) is copied to shared memory with ``cp.async`` one tile
   ahead, and the page after it is prefetched into L2;
@@ -48,12 +55,16 @@ been brought from the codes' 2^-24 units to units of 1. Splits and the LSE merge
 kernel's. Range: P <= 2^LAZY and P' = P·s in FP16 take content scales below 4,000 (group ranges
 below 60,000).
 
-Measured on the H200 (bench/NOTES.md, v24 and v25): 1.43-1.62x the speed of C16R16 at 16 heads,
+C4R4, measured on the H200 (bench/NOTES.md, v24 and v25): 1.43-1.62x the speed of C16R16 at 16 heads,
 batch >= 32 and 8K tokens or more, where the default kernels run C4R4 at 0.88-0.98x; 1.27x at
 batch 1 and 128K; slower than both at batch 1 and short contexts (0.82x at 4K), where each split
 holds one tile.
 
-Takes C4R4 in a BF16 cache (group 64, d_c 512, d_r 64, protection buffers on) for at most 16 heads
+C2R4 (v26, ``exact16-20261202-003855.json``): 1.52-1.63x of C16R16 at batch >= 32 and 8K tokens or
+more (the default kernels: 0.91-0.99x), 1.40x at batch 1 and 128K, a little faster than C4R4 exact:
+its loop issues 4 % fewer instructions, the unpacking the same.
+
+Takes C4R4 or C2R4 in a BF16 cache (group 64, d_c 512, d_r 64, protection buffers on) for at most 16 heads
 on a Hopper GPU (:func:`applies`). No interpreter runs Gluon: the GPU tests cover this file, and
 ``python bench/gluon_sass.py --exact`` compiles it for sm_90 without a GPU.
 """
@@ -92,6 +103,36 @@ def _unpack4(x):
     return gl.inline_asm_elementwise(_UNPACK4, "=&r,=&r,=&r,=&r,r", [x], dtype=(gl.float16,) * 4, is_pure=True, pack=2)
 
 
+# C2: one 32-bit register = two 16-bit code words (8 codes each, code i = bits 2i..2i+1 = channel
+# 8m + i of word m) -> eight FP16 pairs, code i as f_i·n·2^-24 with f_i = 4^(i mod 4) (codes 4-7 after
+# a shift by 8; every value is a subnormal, exact). Early-clobber as above.
+_UNPACK8 = gl.constexpr(
+    "{\n.reg .b32 t;\nshr.u32 t, $8, 8;\n"
+    "and.b32 $0, $8, 0x00030003;\nand.b32 $1, $8, 0x000c000c;\n"
+    "and.b32 $2, $8, 0x00300030;\nand.b32 $3, $8, 0x00c000c0;\n"
+    "and.b32 $4, t, 0x00030003;\nand.b32 $5, t, 0x000c000c;\n"
+    "and.b32 $6, t, 0x00300030;\nand.b32 $7, t, 0x00c000c0;\n}"
+)
+
+
+@gluon.jit
+def _unpack8(x):
+    """int16 words of 2-bit codes (any layout, pairs along the fastest register axis) -> the eight
+    FP16 tensors of their codes 0..7 (values f_i·n·2^-24, f_i = 4^(i mod 4)), same layout."""
+    return gl.inline_asm_elementwise(
+        _UNPACK8, "=&r,=&r,=&r,=&r,=&r,=&r,=&r,=&r,r", [x], dtype=(gl.float16,) * 8, is_pure=True, pack=2
+    )
+
+
+@gluon.jit
+def _unpack(x, CB: gl.constexpr):
+    """The code words ``x`` of ``CB``-bit codes -> their 4 (CB = 4) or 8 (CB = 2) FP16 code tensors."""
+    if CB == 4:
+        return _unpack4(x)
+    else:
+        return _unpack8(x)
+
+
 @gluon.jit
 def _split4(x):
     """A tensor (..., 4) -> its four slices along the last axis (no data moves)."""
@@ -100,6 +141,20 @@ def _split4(x):
     x0, x2 = gl.split(e)
     x1, x3 = gl.split(o)
     return x0, x1, x2, x3
+
+
+@gluon.jit
+def _split8(x):
+    """A tensor (..., 8) -> its eight slices along the last axis (no data moves)."""
+    shape: gl.constexpr = x.shape[:-1] + [2, 2, 2]
+    e, o = gl.split(gl.reshape(x, shape))
+    e0, e1 = gl.split(e)
+    o0, o1 = gl.split(o)
+    x0, x4 = gl.split(e0)
+    x2, x6 = gl.split(e1)
+    x1, x5 = gl.split(o0)
+    x3, x7 = gl.split(o1)
+    return x0, x1, x2, x3, x4, x5, x6, x7
 
 
 # Register layouts. ACC: scores S^T (64 tokens x 16 heads), the wgmma accumulator and, with
@@ -129,23 +184,43 @@ L3Z = gl.constexpr(gl.DistributedLinearLayout(
     lane_bases=[[0, 2, 0], [0, 4, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
     warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 8, 8]))  # fmt: skip
 LO = gl.constexpr(gl.BlockedLayout([1, 1, 1, 4], [1, 2, 16, 1], [4, 1, 1, 1], [3, 2, 1, 0]))
+# C2's protected rows and output: L3A2 (64 tokens x half x 8 words x 4; channel 8m + 4·half + p) gives
+# per p the A layout of k = 8·half + m; L3B2 (groups x 64 x 8 words x 8 codes) the B2 layout of
+# (groups, tokens, words) per code; LO2 the output, four consecutive channels per thread.
+L3A2 = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 1, 0], [8, 0, 0, 0], [0, 1, 0, 0]],
+    lane_bases=[[0, 0, 2, 0], [0, 0, 4, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
+    warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]], block_bases=[], shape=[64, 2, 8, 4]))  # fmt: skip
+L3B2 = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4], [0, 1, 0, 0], [0, 8, 0, 0], [0, 16, 0, 0],
+               [0, 32, 0, 0], [4, 0, 0, 0]],
+    lane_bases=[[0, 2, 0, 0], [0, 4, 0, 0], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]],
+    warp_bases=[[1, 0, 0, 0], [2, 0, 0, 0]], block_bases=[], shape=[8, 64, 8, 8]))  # fmt: skip
+LO2 = gl.constexpr(gl.BlockedLayout([1, 1, 1, 4], [1, 4, 4, 2], [4, 1, 1, 1], [3, 2, 1, 0]))
 
 
 @gluon.jit
 def _copy_tile(cs, rs, ss, rss, zs, rzs, base, R_OFF: gl.constexpr, S_OFF: gl.constexpr, RS_OFF: gl.constexpr,
-               Z_OFF: gl.constexpr, RZ_OFF: gl.constexpr):  # fmt: skip
+               Z_OFF: gl.constexpr, RZ_OFF: gl.constexpr, CB: gl.constexpr):  # fmt: skip
     """cp.async of one page (byte pointer ``base``) into a stage: content codes (512 rows of 16
-    words: group-major, 64 tokens per group), RoPE codes (64 rows of 16 words), content scales and
-    zero-points (64 x 8) and the RoPE ones (64)."""
+    words at 4 bits, 8 at 2: group-major, 64 tokens per group), RoPE codes (64 rows of 16 words),
+    content scales and zero-points (64 x 8) and the RoPE ones (64)."""
     CPY: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])  # 16 B per thread
+    CPY2: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [4, 1], [1, 0])
+    W: gl.constexpr = 4 * CB  # content code words per row
     M8: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0])
     V1: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     V4: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
     b16 = base.to(gl.pointer_type(gl.int16))
-    rc = gl.arange(0, 512, layout=gl.SliceLayout(1, CPY))
     rr = gl.arange(0, 64, layout=gl.SliceLayout(1, CPY))
     cc = gl.arange(0, 16, layout=gl.SliceLayout(0, CPY))
-    _async_load(cs, b16 + rc[:, None] * 16 + cc[None, :])
+    if CB == 4:
+        rc = gl.arange(0, 512, layout=gl.SliceLayout(1, CPY))
+        _async_load(cs, b16 + rc[:, None] * W + cc[None, :])
+    else:
+        rc2 = gl.arange(0, 512, layout=gl.SliceLayout(1, CPY2))
+        cc2 = gl.arange(0, 8, layout=gl.SliceLayout(0, CPY2))
+        _async_load(cs, b16 + rc2[:, None] * W + cc2[None, :])
     _async_load(rs, b16 + (R_OFF // 2) + rr[:, None] * 16 + cc[None, :])
     tm = gl.arange(0, 64, layout=gl.SliceLayout(1, M8))
     gm = gl.arange(0, 8, layout=gl.SliceLayout(0, M8))
@@ -211,20 +286,48 @@ def _zero_scores(wz, zb, ACC: gl.constexpr):
 
 
 @gluon.jit
-def _scores(cst, rst, qc, qr, zb, s, sr, wz, AL: gl.constexpr, ACC: gl.constexpr):
+def _content_words(cst, g: gl.constexpr, CB: gl.constexpr, AL: gl.constexpr):
+    """Content group ``g``'s code words of the tile in stage ``cst``: (64, 16) in the wgmma A
+    layout at 4 bits, (64, 8) in its first eight columns (``LA8``) at 2."""
+    if CB == 4:
+        return cst.slice(64 * g, 64).load(AL)
+    else:
+        return cst.slice(64 * g, 64).load(LA8)
+
+
+@gluon.jit
+def _a_operands(x, CB: gl.constexpr, AL: gl.constexpr):
+    """Code words from :func:`_content_words` -> the four FP16 A operands of their group's score
+    wgmma: nibble j (channel 4m + j at k = m) at 4 bits; at 2, codes p and p + 4 side by side
+    (channel 8m + p at k = m, 8m + 4 + p at k = 8 + m), both f_p·n·2^-24."""
+    if CB == 4:
+        return _unpack4(x)
+    else:
+        u = _unpack8(x)
+        return (
+            gl.convert_layout(_cols16(u[0], u[4]), AL, assert_trivial=True),
+            gl.convert_layout(_cols16(u[1], u[5]), AL, assert_trivial=True),
+            gl.convert_layout(_cols16(u[2], u[6]), AL, assert_trivial=True),
+            gl.convert_layout(_cols16(u[3], u[7]), AL, assert_trivial=True),
+        )
+
+
+@gluon.jit
+def _scores(cst, rst, qc, qr, zb, s, sr, wz, CB: gl.constexpr, AL: gl.constexpr, ACC: gl.constexpr):
     """Σ_g s_tg (Σ_c n_tc q'_hc 2^-24 − z_tg Σ_c q'_hc 2^-24) for the page tile in stage ``cst``
     (``s``: the content groups' scales per token; ``wz``: the A operand of the zero-point term):
     tokens on M, one group's products in flight while the previous group's are scaled."""
     tot = gl.zeros([64, 16], gl.float32, ACC)
     zacc = _zero_scores(wz, zb, ACC)
-    x = cst.slice(0, 64).load(AL)
-    prev = _group_scores(_unpack4(x), qc, qr, 0, ACC)
+    x = _content_words(cst, 0, CB, AL)
+    prev = _group_scores(_a_operands(x, CB, AL), qc, qr, 0, ACC)
     for g in gl.static_range(8):
         if g < 7:
-            x = cst.slice(64 * (g + 1), 64).load(AL)
+            x = _content_words(cst, g + 1, CB, AL)
+            nxt = _group_scores(_a_operands(x, CB, AL), qc, qr, g + 1, ACC)
         else:
             x = rst.load(AL)
-        nxt = _group_scores(_unpack4(x), qc, qr, g + 1, ACC)
+            nxt = _group_scores(_unpack4(x), qc, qr, g + 1, ACC)
         prev = warpgroup_mma_wait(num_outstanding=4, deps=(prev,))
         tot = tot + s[g][:, None] * prev
         prev = nxt
@@ -233,10 +336,12 @@ def _scores(cst, rst, qc, qr, zb, s, sr, wz, AL: gl.constexpr, ACC: gl.constexpr
 
 
 @gluon.jit
-def _prot_scores(prot, r0, ok, qc, qr, ACC: gl.constexpr, AL: gl.constexpr, L3A: gl.constexpr):
+def _prot_scores(prot, r0, ok, qc, qr, CB: gl.constexpr, ACC: gl.constexpr, AL: gl.constexpr, L3A: gl.constexpr):
     """Σ_c x_tc q'_hc for the 64 protected BF16 rows from ``r0`` of the protection buffer at
     ``prot`` (rows not ``ok`` read as zeros), the rows entering as FP16: each thread loads the 16
     bytes that hold its A fragments' four nibble positions of two words."""
+    if CB == 2:
+        return _prot_scores2(prot, r0, ok, qc, qr, ACC, AL, L3A)
     t = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3A)))[:, None, None]
     m = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3A)))[None, :, None]
     j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3A)))[None, None, :]
@@ -267,48 +372,117 @@ def _prot_scores(prot, r0, ok, qc, qr, ACC: gl.constexpr, AL: gl.constexpr, L3A:
 
 
 @gluon.jit
-def _pv(psm, cst, ztm, a0, a1, a2, a3, az, A2: gl.constexpr, B2: gl.constexpr):
-    """acc_j += P'_g · nibbles_j of the page tile's codes (groups on the batch axis, two per warp) and
-    the zero column: az += P'_g · (z·2^-24 in column 0)."""
-    pa = psm.permute((0, 2, 1)).load(A2)
-    b = _unpack4(cst.reshape([8, 64, 16]).load(B2))
-    a0 = mma_v2(pa, b[0], a0)
-    a1 = mma_v2(pa, b[1], a1)
-    a2 = mma_v2(pa, b[2], a2)
-    a3 = mma_v2(pa, b[3], a3)
-    az = mma_v2(pa, ztm.load(B2), az)
-    return a0, a1, a2, a3, az
+def _prot_scores2(prot, r0, ok, qc, qr, ACC: gl.constexpr, AL: gl.constexpr, L3A: gl.constexpr):
+    """:func:`_prot_scores` for the C2 query tiles: content group g's rows in ``L3A2`` (channel
+    8m + 4·half + p), code p's A operand pairing with tile 8p + g (divided by 4^p, so one
+    accumulator per p); the RoPE group as at 4 bits, its nibbles' tiles divided by 1 and 16."""
+    RT: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L3A2)))
+    t = gl.arange(0, 64, layout=RT)[:, None, None, None]
+    hf = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L3A2))))[None, :, None, None]
+    m = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L3A2))))[None, None, :, None]
+    p = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L3A2))))[None, None, None, :]
+    okt = gl.convert_layout(ok, RT, assert_trivial=True)[:, None, None, None]
+    base = prot + (r0 + t) * 576 + 8 * m + 4 * hf + p
+    z = gl.zeros([64, 16], gl.float32, ACC)
+    acc = (z, z, z, z)
+    for g in gl.static_range(8):
+        x = gl.load(base + 64 * g, mask=okt & (hf >= 0) & (m >= 0) & (p >= 0), other=0.0)
+        x0, x1, x2, x3 = _split4(x.to(gl.float32).to(gl.float16))
+        acc = (
+            warpgroup_mma(gl.convert_layout(gl.reshape(x0, [64, 16]), AL, assert_trivial=True),
+                          qc.index(g).permute((1, 0)), acc[0]),
+            warpgroup_mma(gl.convert_layout(gl.reshape(x1, [64, 16]), AL, assert_trivial=True),
+                          qc.index(8 + g).permute((1, 0)), acc[1]),
+            warpgroup_mma(gl.convert_layout(gl.reshape(x2, [64, 16]), AL, assert_trivial=True),
+                          qc.index(16 + g).permute((1, 0)), acc[2]),
+            warpgroup_mma(gl.convert_layout(gl.reshape(x3, [64, 16]), AL, assert_trivial=True),
+                          qc.index(24 + g).permute((1, 0)), acc[3]),
+        )  # fmt: skip
+    tr = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3A)))[:, None, None]
+    mr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3A)))[None, :, None]
+    j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3A)))[None, None, :]
+    okr = gl.convert_layout(ok, gl.SliceLayout(1, gl.SliceLayout(2, L3A)), assert_trivial=True)[:, None, None]
+    x = gl.load(prot + (r0 + tr) * 576 + 512 + 4 * mr + j, mask=okr & (mr >= 0) & (j >= 0), other=0.0)
+    x0, x1, x2, x3 = _split4(x.to(gl.float32).to(gl.float16))
+    a0 = warpgroup_mma(gl.convert_layout(x0, AL, assert_trivial=True), qr.index(0).permute((1, 0)), acc[0])
+    a2 = warpgroup_mma(gl.convert_layout(x1, AL, assert_trivial=True), qr.index(1).permute((1, 0)), acc[2])
+    a0 = warpgroup_mma(gl.convert_layout(x2, AL, assert_trivial=True), qr.index(2).permute((1, 0)), a0)
+    a2 = warpgroup_mma(gl.convert_layout(x3, AL, assert_trivial=True), qr.index(3).permute((1, 0)), a2)
+    return a0 + 4.0 * acc[1] + 16.0 * a2 + 64.0 * acc[3]
 
 
 @gluon.jit
-def _pv_prot(psm, prot, r0, L, a0, a1, a2, a3, A2: gl.constexpr, B2: gl.constexpr, L3B: gl.constexpr,
+def _pv(psm, cst, ztm, acc, az, CB: gl.constexpr, A2: gl.constexpr, B2: gl.constexpr):
+    """acc_j += P'_g · codes_j of the page tile's words (groups on the batch axis, two per warp; j:
+    nibble 0..3 at 4 bits, code 0..7 at 2) and the zero column: az += P'_g · (z·2^-24 in column 0)."""
+    pa = psm.permute((0, 2, 1)).load(A2)
+    if CB == 4:
+        b = _unpack4(cst.reshape([8, 64, 16]).load(B2))
+        acc = (mma_v2(pa, b[0], acc[0]), mma_v2(pa, b[1], acc[1]), mma_v2(pa, b[2], acc[2]), mma_v2(pa, b[3], acc[3]))
+    else:
+        b = _unpack8(cst.reshape([8, 64, 8]).load(B2))
+        acc = (mma_v2(pa, b[0], acc[0]), mma_v2(pa, b[1], acc[1]), mma_v2(pa, b[2], acc[2]), mma_v2(pa, b[3], acc[3]),
+               mma_v2(pa, b[4], acc[4]), mma_v2(pa, b[5], acc[5]), mma_v2(pa, b[6], acc[6]), mma_v2(pa, b[7], acc[7]))  # fmt: skip
+    az = mma_v2(pa, ztm.load(B2), az)
+    return acc, az
+
+
+@gluon.jit
+def _pv_prot(psm, prot, r0, L, acc, CB: gl.constexpr, A2: gl.constexpr, B2: gl.constexpr, L3B: gl.constexpr,
              SINK: gl.constexpr, RECENT: gl.constexpr):  # fmt: skip
     """acc_j += P · x for the 64 protected BF16 rows from ``r0`` of the protection buffer at ``prot``
-    (rows that hold no token read as zeros), the rows entering as FP16, four channels per load."""
+    (rows that hold no token read as zeros), the rows entering as FP16, four (4 bits) or eight (2
+    bits) channels per load."""
     pa = psm.permute((0, 2, 1)).load(A2)
-    g = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L3B))))[:, None, None, None]
-    t = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L3B))))[None, :, None, None]
-    m = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L3B))))[None, None, :, None]
-    j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L3B))))[None, None, None, :]
+    LB: gl.constexpr = L3B if CB == 4 else L3B2
+    W: gl.constexpr = 4 * CB  # code words per group and token
+    g = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, LB))))[:, None, None, None]
+    t = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, LB))))[None, :, None, None]
+    m = gl.arange(0, W, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, LB))))[None, None, :, None]
+    j = gl.arange(0, 16 // CB, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LB))))[None, None, None, :]
     r = r0 + t
     ok = _prot_valid(r, L, SINK, RECENT) & (g >= 0) & (m >= 0) & (j >= 0)
-    x = gl.load(prot + r * 576 + 64 * g + 4 * m + j, mask=ok, other=0.0).to(gl.float32).to(gl.float16)
-    x0, x1, x2, x3 = _split4(x)
-    a0 = mma_v2(pa, gl.convert_layout(x0, B2, assert_trivial=True), a0)
-    a1 = mma_v2(pa, gl.convert_layout(x1, B2, assert_trivial=True), a1)
-    a2 = mma_v2(pa, gl.convert_layout(x2, B2, assert_trivial=True), a2)
-    a3 = mma_v2(pa, gl.convert_layout(x3, B2, assert_trivial=True), a3)
-    return a0, a1, a2, a3
+    x = gl.load(prot + r * 576 + 64 * g + (16 // CB) * m + j, mask=ok, other=0.0).to(gl.float32).to(gl.float16)
+    if CB == 4:
+        x0, x1, x2, x3 = _split4(x)
+        acc = (
+            mma_v2(pa, gl.convert_layout(x0, B2, assert_trivial=True), acc[0]),
+            mma_v2(pa, gl.convert_layout(x1, B2, assert_trivial=True), acc[1]),
+            mma_v2(pa, gl.convert_layout(x2, B2, assert_trivial=True), acc[2]),
+            mma_v2(pa, gl.convert_layout(x3, B2, assert_trivial=True), acc[3]),
+        )
+    else:
+        x0, x1, x2, x3, x4, x5, x6, x7 = _split8(x)
+        acc = (
+            mma_v2(pa, gl.convert_layout(x0, B2, assert_trivial=True), acc[0]),
+            mma_v2(pa, gl.convert_layout(x1, B2, assert_trivial=True), acc[1]),
+            mma_v2(pa, gl.convert_layout(x2, B2, assert_trivial=True), acc[2]),
+            mma_v2(pa, gl.convert_layout(x3, B2, assert_trivial=True), acc[3]),
+            mma_v2(pa, gl.convert_layout(x4, B2, assert_trivial=True), acc[4]),
+            mma_v2(pa, gl.convert_layout(x5, B2, assert_trivial=True), acc[5]),
+            mma_v2(pa, gl.convert_layout(x6, B2, assert_trivial=True), acc[6]),
+            mma_v2(pa, gl.convert_layout(x7, B2, assert_trivial=True), acc[7]),
+        )
+    return acc
 
 
 @gluon.jit
-def _raise_max(x, m_ref, lacc, a0, a1, a2, a3, az, M2: gl.constexpr):
+def _times(acc, f, CB: gl.constexpr):
+    """Each P·V accumulator times ``f`` (broadcast)."""
+    if CB == 4:
+        return acc[0] * f, acc[1] * f, acc[2] * f, acc[3] * f
+    else:
+        return acc[0] * f, acc[1] * f, acc[2] * f, acc[3] * f, acc[4] * f, acc[5] * f, acc[6] * f, acc[7] * f
+
+
+@gluon.jit
+def _raise_max(x, m_ref, lacc, acc, az, CB: gl.constexpr, M2: gl.constexpr):
     """The running maximum raised to the tile's (``x``: scores in log2 units, -inf where not
     valid), everything accumulated so far rescaled to it."""
     m_new = gl.maximum(m_ref, gl.max(x, axis=0))
     alpha = gl.exp2(m_ref - m_new)  # 0 where m_ref was -inf
     al = gl.convert_layout(alpha, gl.SliceLayout(0, gl.SliceLayout(2, M2)))[None, :, None]
-    return m_new, lacc * alpha[None, :], a0 * al, a1 * al, a2 * al, a3 * al, az * al
+    return m_new, lacc * alpha[None, :], _times(acc, al, CB), az * al
 
 
 @gluon.jit
@@ -317,16 +491,16 @@ def _p(x, m_ref):
 
 
 @gluon.jit
-def _softmax(x, valid, m_ref, lacc, a0, a1, a2, a3, az, M2: gl.constexpr):
+def _softmax(x, valid, m_ref, lacc, acc, az, CB: gl.constexpr, M2: gl.constexpr):
     """P = exp2(x − m_ref) for the tile's scores ``x`` (log2 units), with the running maximum
     ``m_ref`` raised (and everything accumulated so far rescaled) only when a score passes it by
     more than 2^LAZY; rows not ``valid`` get P = 0."""
     x = gl.where(valid[:, None], x, float("-inf"))
     over = gl.max(gl.max(gl.where(valid[:, None], x - m_ref[None, :], float("-inf")), axis=1), axis=0)
     if over > LAZY:
-        m_ref, lacc, a0, a1, a2, a3, az = _raise_max(x, m_ref, lacc, a0, a1, a2, a3, az, M2)
+        m_ref, lacc, acc, az = _raise_max(x, m_ref, lacc, acc, az, CB, M2)
     p = _p(x, m_ref)
-    return p, m_ref, lacc + p, a0, a1, a2, a3, az
+    return p, m_ref, lacc + p, acc, az
 
 
 @gluon.jit
@@ -356,7 +530,13 @@ def _qload(base, g: gl.constexpr, mask):
 
 
 @gluon.jit
-def _queries(Qb, stride_qh, Rb, stride_rh, H, qc, qr, zb):
+def _halves(q):
+    """(16 heads, 16 m') with m' = 2m + half -> (16, 16) with k = 8·half + m."""
+    return gl.reshape(gl.permute(gl.reshape(q, [16, 8, 2]), (0, 2, 1)), [16, 16])
+
+
+@gluon.jit
+def _queries(Qb, stride_qh, Rb, stride_rh, H, qc, qr, zb, CB: gl.constexpr):
     """The queries q' = q·2^kq per head (max |q'| < 2^15: FP16 holds them exactly) as the score
     wgmma's B tiles: ``qc`` index 8j + g = channel 64g + 4m + j at (head, m), ``qr`` index j =
     RoPE channel 4m + j, the odd nibbles' tiles divided by 16 (those codes enter as 16n); ``zb``:
@@ -388,10 +568,16 @@ def _queries(Qb, stride_qh, Rb, stride_rh, H, qc, qr, zb):
         q = qs[g].to(gl.float32) * sc
         q0, q1, q2, q3 = _split4(q)
         if g < 8:
-            qc.index(g).store(q0.to(gl.float16))
-            qc.index(8 + g).store((q1 * 0.0625).to(gl.float16))
-            qc.index(16 + g).store(q2.to(gl.float16))
-            qc.index(24 + g).store((q3 * 0.0625).to(gl.float16))
+            if CB == 4:
+                qc.index(g).store(q0.to(gl.float16))
+                qc.index(8 + g).store((q1 * 0.0625).to(gl.float16))
+                qc.index(16 + g).store(q2.to(gl.float16))
+                qc.index(24 + g).store((q3 * 0.0625).to(gl.float16))
+            else:  # q_p (head, 4m' + p) with m' = 2m + half -> (head, k = 8·half + m), over 4^p
+                qc.index(g).store(_halves(q0).to(gl.float16))
+                qc.index(8 + g).store((_halves(q1) * 0.25).to(gl.float16))
+                qc.index(16 + g).store((_halves(q2) * 0.0625).to(gl.float16))
+                qc.index(24 + g).store((_halves(q3) * 0.015625).to(gl.float16))
         else:
             qr.index(0).store(q0.to(gl.float16))
             qr.index(1).store((q1 * 0.0625).to(gl.float16))
@@ -413,13 +599,26 @@ def _cols16(a, b):
 
 
 @gluon.jit
+def _store_out(o_b, y, H, stride_oh, LOUT: gl.constexpr):
+    """Store y (groups, heads, words, codes of a word) at ``o_b`` + head·stride_oh + channel, the
+    channel 64g + J·m + j of J codes per word (heads from ``H`` not stored)."""
+    W: gl.constexpr = y.shape[2]
+    J: gl.constexpr = y.shape[3]
+    og = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, LOUT))))[:, None, None, None]
+    oh = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, LOUT))))[None, :, None, None]
+    om = gl.arange(0, W, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, LOUT))))[None, None, :, None]
+    oj = gl.arange(0, J, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LOUT))))[None, None, None, :]
+    gl.store(o_b + oh * stride_oh + 64 * og + J * om + oj, y, mask=(oh < H) & (og >= 0) & (om >= 0) & (oj >= 0))
+
+
+@gluon.jit
 def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, POOL,
                     H, stride_qb, stride_qh, stride_rb, stride_rh, stride_pb,
                     stride_ob, stride_oh, stride_os, stride_bt, tiles_per_split, qk_scale,
                     PAGE_BYTES: gl.constexpr, R_OFF: gl.constexpr, S_OFF: gl.constexpr, RS_OFF: gl.constexpr,
                     Z_OFF: gl.constexpr, RZ_OFF: gl.constexpr,
                     SINK: gl.constexpr, RECENT: gl.constexpr, SPLIT: gl.constexpr, CHECK_LATE: gl.constexpr,
-                    ABL: gl.constexpr):  # fmt: skip
+                    ABL: gl.constexpr, CB: gl.constexpr):  # fmt: skip
     BN: gl.constexpr = 64
     NS: gl.constexpr = STAGES
     AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
@@ -433,7 +632,12 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, POOL,
     P2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
     P1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
     QS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([16, 16], gl.float16)
-    cs = gl.allocate_shared_memory(gl.int16, [NS, 512, 16], SW)  # content codes: 8 groups x 64 tokens
+    # content codes: 8 groups x 64 tokens, 16 words (4 bits, 32 B rows, swizzled) or 8 (2 bits, 16 B
+    # rows: an 8 x 8 ldmatrix block is 128 contiguous bytes, without conflicts unswizzled)
+    if CB == 4:
+        cs = gl.allocate_shared_memory(gl.int16, [NS, 512, 16], SW)
+    else:
+        cs = gl.allocate_shared_memory(gl.int16, [NS, 512, 8], P2)
     rs = gl.allocate_shared_memory(gl.int16, [NS, 64, 16], SW)  # RoPE codes
     ss = gl.allocate_shared_memory(gl.bfloat16, [NS, 64, 8], P2)  # content scales (token, group)
     zs = gl.allocate_shared_memory(gl.uint8, [NS, 64, 8], P2)  # content zero-points
@@ -465,9 +669,9 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, POOL,
         if t_lo + i < t_hi:
             page = gl.load(bt_row + t_lo + i).to(gl.int64)
             _copy_tile(cs.index(i), rs.index(i), ss.index(i), rss.index(i), zs.index(i), rzs.index(i),
-                       POOL + page * PAGE_BYTES, R_OFF, S_OFF, RS_OFF, Z_OFF, RZ_OFF)  # fmt: skip
+                       POOL + page * PAGE_BYTES, R_OFF, S_OFF, RS_OFF, Z_OFF, RZ_OFF, CB)  # fmt: skip
         async_copy.commit_group()
-    kq = _queries(Q + b * stride_qb, stride_qh, QPE + b * stride_rb, stride_rh, H, qc, qr, zb)
+    kq = _queries(Q + b * stride_qb, stride_qh, QPE + b * stride_rb, stride_rh, H, qc, qr, zb, CB)
     # per head: the scores in log2 units are c_h · (products), c_h = tau·log2(e)·2^(24 − kq)
     ch = gl.convert_layout(qk_scale * ((151 - kq) << 23).to(gl.float32, bitcast=True), COLS)
     fence_async_shared()
@@ -475,10 +679,14 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, POOL,
 
     m_ref = gl.full([16], float("-inf"), gl.float32, COLS)
     lacc = gl.zeros([64, 16], gl.float32, ACC)
-    a0 = gl.zeros([8, 16, 16], gl.float32, M2)
-    a1 = a0
-    a2 = a0
-    a3 = a0
+    # P·V: one accumulator per code position j of a word (groups x heads x words; channel
+    # 64g + (16/CB)·m + j)
+    if CB == 4:
+        a0 = gl.zeros([8, 16, 16], gl.float32, M2)
+        acc = (a0, a0, a0, a0)
+    else:
+        a0 = gl.zeros([8, 16, 8], gl.float32, M2)
+        acc = (a0, a0, a0, a0, a0, a0, a0, a0)
     az = gl.zeros([8, 16, 8], gl.float32, M2)
 
     # block-table entries two and three tiles ahead: the next copy's page and the next L2 prefetch's
@@ -500,7 +708,7 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, POOL,
         if t + NS - 1 < t_hi:
             sn = (it + NS - 1) % NS
             _copy_tile(cs.index(sn), rs.index(sn), ss.index(sn), rss.index(sn), zs.index(sn), rzs.index(sn),
-                       POOL + pn * PAGE_BYTES, R_OFF, S_OFF, RS_OFF, Z_OFF, RZ_OFF)  # fmt: skip
+                       POOL + pn * PAGE_BYTES, R_OFF, S_OFF, RS_OFF, Z_OFF, RZ_OFF, CB)  # fmt: skip
         async_copy.commit_group()
         if t + NS < t_hi:  # the page after the one on its way, on its way to L2
             _prefetch_page(POOL + pp * PAGE_BYTES, tid, PAGE_BYTES)
@@ -528,7 +736,7 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, POOL,
         if ABL == 2:  # timing only: no score products
             x = gl.zeros([64, 16], gl.float32, ACC)
         else:
-            x = _scores(cs.index(st), rs.index(st), qc, qr, zb, s8, sr, wz, AL, ACC) * ch[None, :]
+            x = _scores(cs.index(st), rs.index(st), qc, qr, zb, s8, sr, wz, CB, AL, ACC) * ch[None, :]
         if CHECK_LATE:
             # optimistic: P against the running maximum, each warp's overshoot published with P';
             # the rare tile that passes it by more than 2^LAZY is redone after the barrier
@@ -539,25 +747,26 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, POOL,
             _barrier()  # P', the zero-point tile and the overshoots visible to every warp
             if ABL != 3:
                 if gl.max(fl.load(LF), axis=0) > LAZY:
-                    m_ref, lacc, a0, a1, a2, a3, az = _raise_max(x, m_ref, lacc, a0, a1, a2, a3, az, M2)
+                    m_ref, lacc, acc, az = _raise_max(x, m_ref, lacc, acc, az, CB, M2)
                     p = _p(x, m_ref)
                     _store_p(psm, p, s8)
                     _barrier()
             lacc = lacc + p
         else:
-            p, m_ref, lacc, a0, a1, a2, a3, az = _softmax(x, valid, m_ref, lacc, a0, a1, a2, a3, az, M2)
+            p, m_ref, lacc, acc, az = _softmax(x, valid, m_ref, lacc, acc, az, CB, M2)
             _store_p(psm, p, s8)
             _barrier()  # P' and the zero-point tile visible to every warp
         if ABL != 1:  # ablation 1 (timing only): no P·V
-            a0, a1, a2, a3, az = _pv(psm, cs.index(st), ztm, a0, a1, a2, a3, az, A2, B2)
+            acc, az = _pv(psm, cs.index(st), ztm, acc, az, CB, A2, B2)
     async_copy.wait_group(0)
 
     # accumulators from units of 2^-24 (and of 1/16 for the odd nibbles) to units of 1: the
     # protected rows below add into them in FP16 units
-    a0 = a0 * 16777216.0
-    a1 = a1 * 1048576.0
-    a2 = a2 * 16777216.0
-    a3 = a3 * 1048576.0
+    if CB == 4:
+        acc = (acc[0] * 16777216.0, acc[1] * 1048576.0, acc[2] * 16777216.0, acc[3] * 1048576.0)
+    else:  # code j's values were 4^(j mod 4)·n·2^-24
+        acc = (acc[0] * 16777216.0, acc[1] * 4194304.0, acc[2] * 1048576.0, acc[3] * 262144.0,
+               acc[4] * 16777216.0, acc[5] * 4194304.0, acc[6] * 1048576.0, acc[7] * 262144.0)  # fmt: skip
     az = az * 16777216.0
 
     if p_lo < p_hi:  # this split's protected rows
@@ -566,28 +775,29 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, POOL,
         for r0 in range(p_lo, p_hi, BN):
             _barrier()  # every warp done with the P buffer
             valid = _prot_valid(r0 + rows, L, SINK, RECENT)
-            x = _prot_scores(prot, r0, valid, qc, qr, ACC, AL, L3A) * (ch * 5.9604644775390625e-08)[None, :]
-            p, m_ref, lacc, a0, a1, a2, a3, az = _softmax(x, valid, m_ref, lacc, a0, a1, a2, a3, az, M2)
+            x = _prot_scores(prot, r0, valid, qc, qr, CB, ACC, AL, L3A) * (ch * 5.9604644775390625e-08)[None, :]
+            p, m_ref, lacc, acc, az = _softmax(x, valid, m_ref, lacc, acc, az, CB, M2)
             _store_p(psm, p, (one, one, one, one, one, one, one, one))
             _barrier()
-            a0, a1, a2, a3 = _pv_prot(psm, prot, r0, L, a0, a1, a2, a3, A2, B2, L3B, SINK, RECENT)
+            acc = _pv_prot(psm, prot, r0, L, acc, CB, A2, B2, L3B, SINK, RECENT)
 
-    # out: O[h, 64g + 4m + j] = (acc_j[g, h, m] − Σ_t p s z [g, h]) / l_h, the four channels j of
-    # each (g, h, m) in one thread (16-byte stores, a warp's two heads x 256 B contiguous)
+    # out: O[h, 64g + (16/CB)·m + j] = (acc_j[g, h, m] − Σ_t p s z [g, h]) / l_h, four consecutive
+    # channels of one (g, h) in each thread (16-byte stores, a warp's two or four heads x 256 B contiguous)
     l = gl.sum(lacc, axis=0)
     has = l > 0
     lse = gl.where(has, (m_ref + gl.log2(gl.where(has, l, 1.0))) * 0.6931471805599453, float("-inf"))
     inv = gl.convert_layout(1.0 / gl.where(has, l, 1.0), gl.SliceLayout(0, gl.SliceLayout(2, M2)))[None, :, None]
     nz = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, M2)))
     zsum = gl.sum(gl.where(nz[None, None, :] == 0, az, 0.0), axis=2)[:, :, None]
-    y = gl.join(gl.join((a0 - zsum) * inv, (a2 - zsum) * inv), gl.join((a1 - zsum) * inv, (a3 - zsum) * inv))
-    y = gl.convert_layout(gl.reshape(y, [8, 16, 16, 4]), LO)
-    og = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, LO))))[:, None, None, None]
-    oh = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, LO))))[None, :, None, None]
-    om = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, LO))))[None, None, :, None]
-    oj = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LO))))[None, None, None, :]
-    o_ptr = O + b * stride_ob + oh * stride_oh + pid_s * stride_os + 64 * og + 4 * om + oj
-    gl.store(o_ptr, y, mask=(oh < H) & (og >= 0) & (om >= 0) & (oj >= 0))
+    o_b = O + b * stride_ob + pid_s * stride_os
+    if CB == 4:
+        y = gl.join(gl.join((acc[0] - zsum) * inv, (acc[2] - zsum) * inv),
+                    gl.join((acc[1] - zsum) * inv, (acc[3] - zsum) * inv))  # fmt: skip
+        _store_out(o_b, gl.convert_layout(gl.reshape(y, [8, 16, 16, 4]), LO), H, stride_oh, LO)
+    else:
+        y = _join8((acc[0] - zsum) * inv, (acc[1] - zsum) * inv, (acc[2] - zsum) * inv, (acc[3] - zsum) * inv,
+                   (acc[4] - zsum) * inv, (acc[5] - zsum) * inv, (acc[6] - zsum) * inv, (acc[7] - zsum) * inv)  # fmt: skip
+        _store_out(o_b, gl.convert_layout(gl.reshape(y, [8, 16, 8, 8]), LO2), H, stride_oh, LO2)
     lh = gl.arange(0, 16, layout=COLS)
     if SPLIT:
         gl.store(LSE + (b * H + lh) * gl.num_programs(0) + pid_s, lse, mask=lh < H)
@@ -634,14 +844,14 @@ def constexprs(fmt, sink: int, recent: int, split: bool, late_check: bool = True
     regions = dict(R_OFF="R_codes", S_OFF="C_scale", RS_OFF="R_scale", Z_OFF="C_zero", RZ_OFF="R_zero")
     return dict(
         PAGE_BYTES=fmt.page_bytes, **{k: fmt.regions[n].offset for k, n in regions.items()},
-        SINK=sink, RECENT=recent, SPLIT=split, CHECK_LATE=late_check, ABL=ablate,
+        SINK=sink, RECENT=recent, SPLIT=split, CHECK_LATE=late_check, ABL=ablate, CB=fmt.content_bits,
     )  # fmt: skip
 
 
 def applies(layer, H: int, device) -> bool:
-    """Whether this kernel takes ``layer`` for ``H`` heads on ``device``: C4R4, at most 16 heads, in
+    """Whether this kernel takes ``layer`` for ``H`` heads on ``device``: C4R4 or C2R4, at most 16 heads, in
     the page layout :func:`.gluon_decode.hopper_page` describes."""
-    return layer.fmt.content_bits == 4 and H <= 16 and hopper_page(layer, device)
+    return layer.fmt.content_bits in (2, 4) and H <= 16 and hopper_page(layer, device)
 
 
 __all__ = ["applies", "decode"]

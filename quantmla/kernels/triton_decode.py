@@ -603,7 +603,7 @@ def check_exact(layer, H: int, device) -> None:
     if e is None or not e.applies(layer, H, device):
         raise ValueError(
             "decode config exact=True (attention over the exactly dequantized cache) runs only on the "
-            "exact_decode Gluon kernel: C4R4 in a BF16 cache with protection buffers, group 64, d_c 512, "
+            "exact_decode Gluon kernel: C4R4 or C2R4 in a BF16 cache with protection buffers, group 64, d_c 512, "
             f"d_r 64, at most 16 heads, on a Hopper (sm_90) GPU; got {layer.fmt.name} in {layer.fmt.dtype}, "
             f"{H} heads, protection {'on' if layer.prot is not None else 'off'}, device {device}"
         )
