@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Nsight Compute on the decode kernel at the bar shapes (needs a GPU machine where ncu reads
-# the counters). Writes <out>/<tag>.ncu-rep, the details page and the per-instruction SASS
+# Nsight Compute on the decode kernel (the exact one with cfg exact=True) at the bar shapes
+# (needs a GPU machine where ncu reads the counters). Writes <out>/<tag>.ncu-rep, the details page and the per-instruction SASS
 # page (stall samples) as text/CSV.
-#   bash bench/ncu.sh [out-dir] [H:B:L:fmt ...]
+#   bash bench/ncu.sh [out-dir] [H:B:L:fmt[:cfg] ...]     e.g. 16:32:32768:c2r4:exact=True
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-bench/results/ncu}
@@ -14,7 +14,7 @@ jobs=("$@")
 for job in "${jobs[@]}"; do
   IFS=: read -r H B L fmt cfg <<<"$job"
   tag="h$H-b$B-l$L-$fmt${cfg:+-${cfg//[=,]/_}}"
-  ncu --clock-control none --profile-from-start off -k regex:_decode_kernel --set full \
+  ncu --clock-control none --profile-from-start off -k "regex:_decode_kernel|_exact16_kernel" --set full \
       --import-source no -f -o "$out/$tag" \
       python bench/ncu_decode.py --shape "$H:$B:$L" --fmt "$fmt" --config "${cfg:-}" > "$out/$tag.log" 2>&1
   tail -1 "$out/$tag.log"
