@@ -412,17 +412,37 @@ def _prot_scores2(prot, r0, ok, qc, qr, ACC: gl.constexpr, AL: gl.constexpr, L3A
 
 
 @gluon.jit
+def _mma_each(pa, b, acc, CB: gl.constexpr):
+    """acc_j += pa · b_j for each code position j of a word (4 at 4 bits, 8 at 2)."""
+    if CB == 4:
+        return mma_v2(pa, b[0], acc[0]), mma_v2(pa, b[1], acc[1]), mma_v2(pa, b[2], acc[2]), mma_v2(pa, b[3], acc[3])
+    else:
+        return (mma_v2(pa, b[0], acc[0]), mma_v2(pa, b[1], acc[1]), mma_v2(pa, b[2], acc[2]), mma_v2(pa, b[3], acc[3]),
+                mma_v2(pa, b[4], acc[4]), mma_v2(pa, b[5], acc[5]), mma_v2(pa, b[6], acc[6]), mma_v2(pa, b[7], acc[7]))  # fmt: skip
+
+
+@gluon.jit
+def _b_operands(x, B2: gl.constexpr, CB: gl.constexpr):
+    """Protected rows (groups, tokens, words, code positions) -> one ``B2`` operand per position
+    (the conversions move no data)."""
+    if CB == 4:
+        x0, x1, x2, x3 = _split4(x)
+        return (gl.convert_layout(x0, B2, assert_trivial=True), gl.convert_layout(x1, B2, assert_trivial=True),
+                gl.convert_layout(x2, B2, assert_trivial=True), gl.convert_layout(x3, B2, assert_trivial=True))  # fmt: skip
+    else:
+        x0, x1, x2, x3, x4, x5, x6, x7 = _split8(x)
+        return (gl.convert_layout(x0, B2, assert_trivial=True), gl.convert_layout(x1, B2, assert_trivial=True),
+                gl.convert_layout(x2, B2, assert_trivial=True), gl.convert_layout(x3, B2, assert_trivial=True),
+                gl.convert_layout(x4, B2, assert_trivial=True), gl.convert_layout(x5, B2, assert_trivial=True),
+                gl.convert_layout(x6, B2, assert_trivial=True), gl.convert_layout(x7, B2, assert_trivial=True))  # fmt: skip
+
+
+@gluon.jit
 def _pv(psm, cst, ztm, acc, az, CB: gl.constexpr, A2: gl.constexpr, B2: gl.constexpr):
     """acc_j += P'_g · codes_j of the page tile's words (groups on the batch axis, two per warp; j:
     nibble 0..3 at 4 bits, code 0..7 at 2) and the zero column: az += P'_g · (z·2^-24 in column 0)."""
     pa = psm.permute((0, 2, 1)).load(A2)
-    if CB == 4:
-        b = _unpack4(cst.reshape([8, 64, 16]).load(B2))
-        acc = (mma_v2(pa, b[0], acc[0]), mma_v2(pa, b[1], acc[1]), mma_v2(pa, b[2], acc[2]), mma_v2(pa, b[3], acc[3]))
-    else:
-        b = _unpack8(cst.reshape([8, 64, 8]).load(B2))
-        acc = (mma_v2(pa, b[0], acc[0]), mma_v2(pa, b[1], acc[1]), mma_v2(pa, b[2], acc[2]), mma_v2(pa, b[3], acc[3]),
-               mma_v2(pa, b[4], acc[4]), mma_v2(pa, b[5], acc[5]), mma_v2(pa, b[6], acc[6]), mma_v2(pa, b[7], acc[7]))  # fmt: skip
+    acc = _mma_each(pa, _unpack(cst.reshape([8, 64, 4 * CB]).load(B2), CB), acc, CB)
     az = mma_v2(pa, ztm.load(B2), az)
     return acc, az
 
@@ -443,27 +463,7 @@ def _pv_prot(psm, prot, r0, L, acc, CB: gl.constexpr, A2: gl.constexpr, B2: gl.c
     r = r0 + t
     ok = _prot_valid(r, L, SINK, RECENT) & (g >= 0) & (m >= 0) & (j >= 0)
     x = gl.load(prot + r * 576 + 64 * g + (16 // CB) * m + j, mask=ok, other=0.0).to(gl.float32).to(gl.float16)
-    if CB == 4:
-        x0, x1, x2, x3 = _split4(x)
-        acc = (
-            mma_v2(pa, gl.convert_layout(x0, B2, assert_trivial=True), acc[0]),
-            mma_v2(pa, gl.convert_layout(x1, B2, assert_trivial=True), acc[1]),
-            mma_v2(pa, gl.convert_layout(x2, B2, assert_trivial=True), acc[2]),
-            mma_v2(pa, gl.convert_layout(x3, B2, assert_trivial=True), acc[3]),
-        )
-    else:
-        x0, x1, x2, x3, x4, x5, x6, x7 = _split8(x)
-        acc = (
-            mma_v2(pa, gl.convert_layout(x0, B2, assert_trivial=True), acc[0]),
-            mma_v2(pa, gl.convert_layout(x1, B2, assert_trivial=True), acc[1]),
-            mma_v2(pa, gl.convert_layout(x2, B2, assert_trivial=True), acc[2]),
-            mma_v2(pa, gl.convert_layout(x3, B2, assert_trivial=True), acc[3]),
-            mma_v2(pa, gl.convert_layout(x4, B2, assert_trivial=True), acc[4]),
-            mma_v2(pa, gl.convert_layout(x5, B2, assert_trivial=True), acc[5]),
-            mma_v2(pa, gl.convert_layout(x6, B2, assert_trivial=True), acc[6]),
-            mma_v2(pa, gl.convert_layout(x7, B2, assert_trivial=True), acc[7]),
-        )
-    return acc
+    return _mma_each(pa, _b_operands(x, B2, CB), acc, CB)
 
 
 @gluon.jit
