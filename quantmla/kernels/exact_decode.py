@@ -53,16 +53,13 @@ register-fed kernel (``triton_decode.split_work``); they enter both products as 
 magnitudes in [2^-14, 65504], as cached latents are) through the same accumulators, once these have
 been brought from the codes' 2^-24 units to units of 1. Splits and the LSE merge are the Triton
 kernel's. Range: P <= 2^LAZY and P' = P·s in FP16 take content scales below 4,000 (group ranges
-below 60,000).
+below 60,000 at 4 bits, 12,000 at 2).
 
-C4R4, measured on the H200 (bench/NOTES.md, v24 and v25): 1.43-1.62x the speed of C16R16 at 16 heads,
-batch >= 32 and 8K tokens or more, where the default kernels run C4R4 at 0.88-0.98x; 1.27x at
-batch 1 and 128K; slower than both at batch 1 and short contexts (0.82x at 4K), where each split
-holds one tile.
-
-C2R4 (v26, ``exact16-20261202-003855.json``): 1.52-1.63x of C16R16 at batch >= 32 and 8K tokens or
-more (the default kernels: 0.91-0.99x), 1.40x at batch 1 and 128K, a little faster than C4R4 exact:
-its loop issues 4 % fewer instructions, the unpacking the same.
+Measured on the H200 (bench/NOTES.md v24-v26; sweep ``decode-20261202-011211``): at 16 heads,
+batch >= 32 and 8K tokens or more, C4R4 at 1.44-1.71x the speed of C16R16 and C2R4 at 1.51-1.81x,
+where the default kernels run them at 0.92-0.99x and 0.94-1.01x; 1.28x and 1.40x at batch 1 and
+128K; slower than C16R16 at batch 1 and short contexts (0.81-0.82x at 4K), where each split holds
+one tile. C2R4's loop issues 4 % fewer instructions than C4R4's, with the same unpacking per code.
 
 Takes C4R4 or C2R4 in a BF16 cache (group 64, d_c 512, d_r 64, protection buffers on) for at most 16 heads
 on a Hopper GPU (:func:`applies`). No interpreter runs Gluon: the GPU tests cover this file, and
