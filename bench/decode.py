@@ -15,8 +15,10 @@ the effective bandwidth on the bytes the format stores (pages + protection buffe
 useful TFLOP/s (2·B·H·L·(576 + 512)) and the speed-up over C16R16. "unfused" dequantizes
 the whole C4R4 cache with torch ops into BF16 pages and then runs the C16R16 kernel. The
 device copy bandwidth (bytes read + written) is measured in the same run. ``--pv bf16``
-times P·V with P as one BF16 tile instead of the hi/lo pair. Writes ``decode-<date>.json``
-(a list ``rows``, top-level ``copy_TBps``) and ``.md``.
+times P·V with P as one BF16 tile instead of the hi/lo pair. At up to 16 heads the same C4R4
+and C2R4 pages are also timed through the exact-dequantization kernel (config ``exact=True``:
+keys ``c4r4_exact_*`` and ``c2r4_exact_*``). Writes ``decode-<date>.json`` (a list ``rows``,
+top-level ``copy_TBps``) and ``.md``.
 """
 
 from __future__ import annotations
