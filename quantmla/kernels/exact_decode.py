@@ -535,8 +535,10 @@ def _halves(q):
 @gluon.jit
 def _queries(Qb, stride_qh, Rb, stride_rh, H, qc, qr, zb, CB: gl.constexpr):
     """The queries q' = q·2^kq per head (max |q'| < 2^15: FP16 holds them exactly) as the score
-    wgmma's B tiles: ``qc`` index 8j + g = channel 64g + 4m + j at (head, m), ``qr`` index j =
-    RoPE channel 4m + j, the odd nibbles' tiles divided by 16 (those codes enter as 16n); ``zb``:
+    wgmma's B tiles: at 4 bits ``qc`` index 8j + g = channel 64g + 4m + j at (head, m), the odd
+    nibbles' tiles divided by 16 (those codes enter as 16n); at 2 bits ``qc`` index 8p + g =
+    channel 64g + 8k + p at (head, k < 8) and 64g + 8(k − 8) + 4 + p above, divided by 4^p; ``qr``
+    index j = RoPE channel 4m + j (4-bit codes, odd nibbles divided by 16); ``zb``:
     2^-8 Σ_{c in g} q'_hc per group g (column 8: RoPE) as a hi/lo pair, the zero-point term's B.
     ``Qb``/``Rb``: the request's rows of head 0 (heads from ``H`` on read as zeros). Returns kq (in
     its own layout: the caller converts it once)."""
