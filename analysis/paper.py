@@ -35,7 +35,8 @@ def _key(c: dict) -> tuple:
     if bits == "C16R16":  # the BF16 reference, whatever the method (fusion is exact)
         return c["model"]["name"], bits, "", False, ""
     protect = bool(c.get("protect", {}).get("enabled", False))
-    return c["model"]["name"], bits, c["method"]["name"], protect, _variant(c["method"])
+    variant = ", ".join(v for v in (_variant(c["method"]), "exact" if c.get("exact") else "") if v)
+    return c["model"]["name"], bits, c["method"]["name"], protect, variant
 
 
 def _order(k: tuple) -> tuple:

@@ -42,7 +42,8 @@ def _bits_key(name: str) -> tuple:
 
 
 def frame(root: str | Path) -> pd.DataFrame:
-    """One row per (model, method, bits, protect) with every numeric metric of its runs."""
+    """One row per (model, method, bits, protect) with every numeric metric of its runs (apart by
+    method variant and by ``exact`` where runs differ in them)."""
     runs = read_runs(root)
     evals = {r["config"].get("eval", {}).get("name", "eval") for r in runs}
     rows = []
@@ -55,6 +56,7 @@ def frame(root: str | Path) -> pd.DataFrame:
             "variant": _variant(c["method"]),
             "bits": c["bits"]["name"].upper(),
             "protect": bool(c.get("protect", {}).get("enabled", False)) and quantized,
+            "exact": bool(c.get("exact", False)) and quantized,
         }
         ename = c.get("eval", {}).get("name", "eval")
         for k, v in numeric_metrics(r["metrics"]).items():
@@ -64,10 +66,11 @@ def frame(root: str | Path) -> pd.DataFrame:
         rows.append(row)
     if not rows:
         return pd.DataFrame(columns=list(KEYS))
-    keys = list(KEYS[:2]) + ["variant"] + list(KEYS[2:])  # runs of one method with other settings stay apart
+    keys = list(KEYS[:2]) + ["variant"] + list(KEYS[2:]) + ["exact"]  # runs with other settings stay apart
     df = pd.DataFrame(rows).groupby(keys, sort=False, dropna=False).first().reset_index()
-    if not df["variant"].astype(bool).any():
-        df = df.drop(columns=["variant"])
+    for extra in ("variant", "exact"):  # shown only where some run has one
+        if not df[extra].astype(bool).any():
+            df = df.drop(columns=[extra])
     df["_m"] = df["method"].map(lambda m: METHOD_ORDER.index(m) if m in METHOD_ORDER else len(METHOD_ORDER))
     df["_b"] = df["bits"].map(_bits_key)
     df = df.sort_values(["model", "_b", "_m", "method", "protect"]).drop(columns=["_m", "_b"])

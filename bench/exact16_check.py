@@ -13,7 +13,9 @@ subnormals (the kernel's codes are subnormal FP16 numbers). Timing: ``bench/deco
 BF16 P, C4R4 exact, C2R4 with the default kernels and C2R4 exact, in one run; then, at ``--ablate-shape``, the kernel's variants: the
 running maximum checked by a reduction before P (``late_check=False``) instead of per warp
 beside P', and each stage left out in turn (``ablate`` 1: no P·V, 2: no score products, 3: no
-maximum check; wrong outputs, timing only). Writes ``exact16-<date>.json`` under ``--out``.
+maximum check; wrong outputs, timing only). ``--maxnreg N`` adds every check and timing of the exact
+kernel under a register cap of N (168 lets three C2R4 programs share an SM). Writes
+``exact16-<date>.json`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def subnormal_check(gen) -> float:
     return float((got - ref).norm() / ref.norm())
 
 
-def case(H, lengths, splits, gen, scale=1.0, cb=4):
+def case(H, lengths, splits, gen, scale=1.0, cb=4, extra=None):
     """(rel. error of o, max |lse error|) against the exact reference, the same for the
     paper-semantics reference, and whether every output was written; C``cb``R4 pages."""
     B = len(lengths)
@@ -70,7 +72,7 @@ def case(H, lengths, splits, gen, scale=1.0, cb=4):
     q = torch.randn(B, H, 512, device=DEV, generator=gen)
     qp = torch.randn(B, H, 64, device=DEV, generator=gen)
     out = (torch.full((B, H, 512), float("nan"), device=DEV), torch.full((B, H), float("nan"), device=DEV))
-    cfg = {"exact": True} | ({} if splits is None else {"num_splits": splits})
+    cfg = {"exact": True} | ({} if splits is None else {"num_splits": splits}) | (extra or {})
     o, lse = kernels.decode(layer, bt, lens, q, qp, TAU, "triton", cfg, out=out)
     torch.cuda.synchronize()
     ro, rl = reference.decode(layer, bt, lens, q, qp, TAU, exact=True)
@@ -79,7 +81,7 @@ def case(H, lengths, splits, gen, scale=1.0, cb=4):
     full = triton_decode.default_config(B, H, max(lengths), layer, DEV, cfg)
     plan = triton_decode.plan(layer, H, full, DEV, max(lengths))
     return dict(
-        fmt=fmt.name, H=H, lengths=lengths, splits=plan.splits, per=plan.per, scale=scale, written=written,
+        fmt=fmt.name, H=H, lengths=lengths, splits=plan.splits, per=plan.per, scale=scale, written=written, **(extra or {}),
         o_rel=float((o - ro).norm() / ro.norm()), lse_abs=float((lse - rl).abs().max()),
         paper_o_rel=float((po - ro).norm() / ro.norm()), paper_lse_abs=float((pl - rl).abs().max()),
     )  # fmt: skip
@@ -127,6 +129,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="16:32:8192,16:32:32768,16:1:131072,16:128:32768,16:64:8192")
     ap.add_argument("--ablate-shape", default="16:32:32768")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--maxnreg", type=int, help="also check and time the exact kernel under this register cap")
     args = ap.parse_args()
     gen = torch.Generator(device=DEV).manual_seed(0)
     stamp = datetime.datetime.now()
@@ -136,12 +139,14 @@ def main() -> None:
     meta["subnormal_rel_err"] = subnormal_check(gen)
     print("fp16 subnormal product, rel. error:", meta["subnormal_rel_err"], flush=True)
     meta["cases"] = []
+    capped = [None] + ([{"maxnreg": args.maxnreg}] if args.maxnreg else [])
     for cb in (4, 2):
         for H, lengths, splits in CASES:
             for scale in (1.0, 8.0) if lengths == [1000, 67, 5000] and splits == 3 else (1.0,):
-                r = case(H, lengths, splits, gen, scale, cb)
-                meta["cases"].append(r)
-                print(r, flush=True)
+                for extra in capped:
+                    r = case(H, lengths, splits, gen, scale, cb, extra)
+                    meta["cases"].append(r)
+                    print(r, flush=True)
     ok = all(r["written"] and r["o_rel"] < 2e-3 and r["lse_abs"] < 2e-3 for r in meta["cases"])
     print("correct:", ok, flush=True)
     if not args.check_only:
@@ -154,6 +159,8 @@ def main() -> None:
             row = dict(H=H, B=B, L=L)
             timed = (("c16r16", "c16r16", {}), ("c4r4", "c4r4", {}), ("c4r4_bf16p", "c4r4", {"pv_split": False}),
                      ("c4r4_exact", "c4r4", {"exact": True}), ("c2r4", "c2r4", {}), ("c2r4_exact", "c2r4", {"exact": True}))  # fmt: skip
+            if args.maxnreg:
+                timed += tuple((f"{f}_exact_r{args.maxnreg}", f, {"exact": True, "maxnreg": args.maxnreg}) for f in ("c4r4", "c2r4"))  # fmt: skip
             for key, name, cfg in timed:
                 ms = sh.time(name, cfg)
                 row[f"{key}_ms"] = ms

@@ -5,6 +5,7 @@
     python bench/gluon_sass.py --mma16    # the 16-head register-fed kernel (quantmla/kernels/mma_decode.py)
     python bench/gluon_sass.py --exact    # the 16-head exact-dequantization kernel, C4R4 and C2R4 (quantmla/kernels/exact_decode.py)
     python bench/gluon_sass.py --triton   # the Triton kernel at 16 heads, sink in page tile 0 and not
+    python bench/gluon_sass.py --prefill  # the teacher-forced kernel, stored rows rounded and exact
 
 Prints, per content width: registers, stack (spill) bytes, shared memory, and for each loop of
 the kernel its instruction count, its HGMMA (wgmma) and HMMA (mma.sync) counts, its local-memory
@@ -108,6 +109,41 @@ def compile_triton_sass(bits: int, sink_in_tile0: bool) -> tuple[str, str, int]:
     return _sass(c)
 
 
+def compile_prefill_sass(bits: int, exact: bool) -> tuple[str, str, int, dict]:
+    """(SASS text, resource line, shared bytes, tiles) of the teacher-forced kernel
+    (:mod:`quantmla.kernels.triton_prefill`) with its default tiles, for ``bits``-bit content codes
+    and 4-bit RoPE codes in a BF16 cache at d_c 512 with protection, the stored rows rounded or ``exact``."""
+    import torch
+    from triton.compiler import ASTSource
+
+    from quantmla.kernels import PagedLayer, PageFormat, triton_prefill
+    from quantmla.kernels._tiles import container_bits, region_args
+
+    layer = PagedLayer(PageFormat(bits, 4), 1, "cpu", batch=1, sink=4, recent=128)
+    cfg = triton_prefill.default_config(16, 1024, layer.fmt, True, exact)
+    consts = dict(DC=512, DCP=512, DR=64, G=64, C_BITS=bits, R_BITS=4, C_W=container_bits(bits), R_W=4, QUANT=True,
+                  SINK=4, RECENT=128, PAGE_SIZE=64, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], PV_SPLIT=True,
+                  IEEE=False, KV=triton.language.bfloat16, INTERP=False, EXACT=exact)  # fmt: skip
+    types = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.uint8: "u8", torch.int32: "i32"}
+    regions = dict(zip(("CRows", "CCodes", "CScale", "CZero"), region_args(layer, "C")[:4]))
+    regions |= dict(zip(("RRows", "RCodes", "RScale", "RZero"), region_args(layer, "R")[:4]))
+    pointers = dict(Q="bf16", QPE="bf16", O="fp32", LSE="fp32", C="bf16", KP="bf16", KVLEN="i64", QLEN="i64", BT="i32")
+    k = triton_prefill._prefill_kernel
+    sig, attrs = {}, {}
+    for i, n in enumerate(k.arg_names):
+        if n in consts:
+            sig[n] = "constexpr"
+        elif n in regions or n in pointers:
+            sig[n] = "*" + (types[regions[n].dtype] if n in regions else pointers[n])
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[n] = "fp32" if n == "qk_scale" else "i32"
+    src = ASTSource(k, sig, constexprs={(k.arg_names.index(n),): v for n, v in consts.items()}, attrs=attrs)
+    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg["num_warps"],
+                                                                          num_stages=cfg["num_stages"]))  # fmt: skip
+    return (*_sass(c), cfg)
+
+
 def _sass(c) -> tuple[str, str, int]:
     """(SASS text, resource line, shared bytes) of compiled kernel ``c`` (``cuobjdump`` of its cubin)."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -141,8 +177,17 @@ def main() -> None:
     ap.add_argument("--mma16", action="store_true", help="the 16-head register-fed kernel instead (C4R4)")
     ap.add_argument("--triton", action="store_true", help="the Triton kernel at 16 heads instead")
     ap.add_argument("--exact", action="store_true", help="the 16-head exact-dequantization kernel instead")
+    ap.add_argument("--prefill", action="store_true", help="the teacher-forced kernel instead, rounded and exact")
     args = ap.parse_args()
     print(f"triton {triton.__version__}, sm_90")
+    if args.prefill:
+        for bits in args.bits:
+            for exact in (False, True):
+                sass, res, shared, cfg = compile_prefill_sass(bits, exact)
+                tiles = f"{cfg['block_m']}x{cfg['block_n']}/{cfg['num_warps']} warps"
+                print(f"prefill C{bits}R4 exact={exact} ({tiles}): {res} shared={shared} B, "
+                      f"{len(re.findall(r'HGMMA', sass))} HGMMA, {len(re.findall(r'HMMA', sass))} HMMA")  # fmt: skip
+        return
     if args.triton:
         for bits in args.bits:
             for swap in (True, False):

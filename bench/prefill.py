@@ -2,6 +2,8 @@
 
     python bench/prefill.py                 # default shapes, the kernel's default tiles
     python bench/prefill.py --tune          # also time candidate tiles per format and shape
+    python bench/prefill.py --exact         # also C4R4 and C2R4 with config exact (unrounded stored rows)
+    python bench/prefill.py --exact --tune c4r4_exact,c2r4_exact
 
 Each request holds ``n`` tokens and asks all ``n`` queries (a prompt's prefill, or a
 log-likelihood evaluation), 16 heads, d_c 512, d_r 64, sink 4 and recent 128 for the
@@ -41,6 +43,10 @@ CANDIDATES = [
     dict(block_m=m, block_n=n, num_warps=w, num_stages=s)
     for m, n, w, s in itertools.product((32, 64), (16, 32, 64), (4, 8), (2,))
 ]
+EXACT_CANDIDATES = [
+    dict(block_m=m, block_n=n, num_warps=w, num_stages=2, exact=True)
+    for m, n, w in itertools.product((16, 32), (16, 32), (4, 8))
+]
 
 
 def inputs(bits, B: int, H: int, n: int, gen):
@@ -76,7 +82,9 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="8:512,1:4096,1:16384", help="B:n pairs (16 heads)")
     ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--tune", action="store_true", help="time candidate tiles per format and shape")
+    ap.add_argument("--tune", nargs="?", const="all", help="time candidate tiles per format and shape "
+                    "(or only for the formats named, e.g. --tune c4r4_exact,c2r4_exact)")  # fmt: skip
+    ap.add_argument("--exact", action="store_true", help="also the quantized formats with config exact")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -94,16 +102,19 @@ def main(argv=None) -> None:
     for B, n in shapes:
         flops = 2 * B * H * (n * n / 2) * (576 + 512)
         row = {"H": H, "B": B, "n": n}
-        for name, bits in FORMATS.items():
+        timed_formats = [(name, bits, False) for name, bits in FORMATS.items()]
+        if args.exact:
+            timed_formats += [(f"{name}_exact", bits, True) for name, bits in FORMATS.items() if bits != (16, 16)]
+        for name, bits, exact in timed_formats:
             data = inputs(bits, B, H, n, torch.Generator(DEV).manual_seed(B * n))
-            default = triton_prefill.default_config(H, n, data[5].fmt if data[5] else None, data[5] is not None)
-            ms = time_one(data, None)
+            default = triton_prefill.default_config(H, n, data[5].fmt if data[5] else None, data[5] is not None, exact)
+            ms = time_one(data, {"exact": True} if exact else None)
             row[f"{name}_ms"], row[f"{name}_TFLOPs"], row[f"{name}_config"] = ms, flops / ms / 1e9, default
             print(
                 f"H={H} B={B} n={n} {name} default {default}: {ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s", flush=True
             )
-            if args.tune:
-                timed = [(time_one(data, c), c) for c in CANDIDATES]
+            if args.tune and (args.tune == "all" or name in args.tune.split(",")):
+                timed = [(time_one(data, c), c) for c in (EXACT_CANDIDATES if exact else CANDIDATES)]
                 timed = sorted(((t, c) for t, c in timed if t is not None), key=lambda tc: tc[0])
                 row[f"{name}_tuned"] = [dict(c, ms=t) for t, c in timed]
                 for t, c in timed[:3]:

@@ -5,6 +5,12 @@ outside the protected set (spec §3); ``C16R16`` is the plain BF16 cache. Protec
 the first ``sink`` tokens and the ``recent`` most recent tokens in BF16 at evaluation time,
 with the decode-faithful per-query rule of spec §9 item 1: query ``i`` sees key ``j`` in
 BF16 iff ``j < sink`` or ``j > i - recent``.
+
+``exact`` chooses how the attention core reads the quantized rows: by default as the paper's kernel
+does, each reconstructed row ``s·(q − z)`` rounded to the cache dtype (BF16) first; with
+``exact=True`` as spec Eq. 35-36 define them, unrounded (the decode kernel
+:mod:`quantmla.kernels.exact_decode`, the teacher-forced kernel in float32). It changes nothing for
+C16R16, which has no reconstruction.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ class CacheSpec(CxRy):
     sink: int = 4
     recent: int = 128
     protect: bool = True
+    exact: bool = False
 
     def __post_init__(self):
         for what, b in (("content bits", self.content_bits), ("RoPE bits", self.rope_bits)):
@@ -50,6 +57,11 @@ class CacheSpec(CxRy):
     @property
     def protected(self) -> bool:
         return self.quantized and self.protect
+
+    @property
+    def exact_rows(self) -> bool:
+        """Whether the core reads unrounded ``s·(q − z)`` rows (``exact`` on a quantized cache)."""
+        return self.quantized and self.exact
 
     def check_dims(self, d_c: int, d_r: int) -> None:
         for what, d in (("content latent", d_c), ("RoPE key", d_r)):

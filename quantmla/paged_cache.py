@@ -12,6 +12,9 @@ writer and attends with the core:
 - several new tokens after a prefix are processed one at a time (write, decode), which is
   what the protection rule means for them.
 
+With ``spec.exact`` on a quantized spec both steps read the stored rows unrounded (prefill and
+decode config ``exact``; the decode then runs on :mod:`quantmla.kernels.exact_decode`).
+
 Padding columns (from the attention mask) are not stored: a request's pages hold its own
 tokens, so token indices for protection count only real tokens. Beam search and cache
 cropping are not supported (a clear error says so).
@@ -169,7 +172,7 @@ class LatentCache(Cache):
             # Token by token; the cache built the block table and knows every length on the host,
             # so the core's device-reading checks are skipped and the longest length is passed in.
             dense = all(c == n for c in counts)  # no padding among the new tokens (every decode step)
-            config = {"max_len": max(after, default=0)}
+            config = {"max_len": max(after, default=0)} | ({"exact": True} if spec.exact_rows else {})
             outs = []
             for i in range(n):
                 if dense:
@@ -225,8 +228,9 @@ class LatentCache(Cache):
         H = q_lat.shape[1]
         qc = q_lat.gather(2, order[:, None, :, None].expand(B, H, n, q_lat.shape[-1]))
         qpc = q_pe.gather(2, order[:, None, :, None].expand(B, H, n, q_pe.shape[-1]))
+        config = {"exact": True} if spec.exact_rows else None
         o, _ = kernels.prefill(
-            qc, qpc, Cc, Kc, kv_len, kv_len, tau, sink, recent, layer.paged, self.block_table, backend
+            qc, qpc, Cc, Kc, kv_len, kv_len, tau, sink, recent, layer.paged, self.block_table, backend, config
         )
         rank = (new_valid.cumsum(1) - 1).clamp_min(0)
         o = o.gather(2, rank[:, None, :, None].expand(B, H, n, o.shape[-1]))

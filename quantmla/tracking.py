@@ -32,8 +32,13 @@ LOG_KEYS = ("logger", "runs_dir", "sweep", "hydra")
 VERSIONED = ("torch", "transformers", "triton", "lm_eval", "hydra-core", "omegaconf", "wandb", "quantmla")
 
 
+ADDED_DEFAULTS = {"exact": False}
+"""Top-level keys added after runs were first recorded, with the value every earlier run had:
+left out of the id at that value, so those runs keep their ids (and are not run again)."""
+
+
 def identity(cfg: dict) -> dict:
-    return {k: v for k, v in cfg.items() if k not in LOG_KEYS}
+    return {k: v for k, v in cfg.items() if k not in LOG_KEYS and not (k in ADDED_DEFAULTS and v == ADDED_DEFAULTS[k])}
 
 
 def run_id(cfg: dict) -> str:

@@ -11,7 +11,7 @@ import types
 
 import pytest
 import torch
-from kernels_helpers import DEVICE
+from kernels_helpers import DEVICE, rel
 
 from quantmla import attention
 from quantmla.cache import CacheSpec, protected_pairs
@@ -135,3 +135,55 @@ def test_masks_the_core_cannot_express_raise():
     mask = torch.ones(1, 1, 4, 4, dtype=torch.bool)  # not causal
     with pytest.raises(ValueError, match="not causal"):
         attention.key_validity(mask, 1, 4, 4, "cpu")
+
+
+def _exact_rows(x, bits, scale_dtype):
+    """s·(q − z) of the quantizer's codes in float64, unrounded (x itself at 16 bits)."""
+    from quantmla.quant import quantize
+
+    if bits == 16:
+        return x.double()
+    t = quantize(x, bits, 64, scale_dtype=scale_dtype)
+    q = t.codes.double().unflatten(-1, (-1, 64))
+    return (t.scale.double().unsqueeze(-1) * (q - t.zero.double().unsqueeze(-1))).flatten(-2)
+
+
+@pytest.mark.parametrize("cb", [4, 2])
+def test_exact_spec_reaches_both_steps_of_the_paged_cache(cb):
+    """``CacheSpec(exact=True)`` through the paged cache: a 40-token prompt (teacher-forced kernel)
+    then three decode steps (on a Hopper GPU the exact decode kernel: 16 heads, d_c 512, BF16),
+    each query's output against float64 attention written here over the unrounded s·(q − z) with
+    the decode-faithful rule; the default spec on the same tokens sits measurably further away."""
+    from quantmla.paged_cache import LatentCache
+
+    gen = torch.Generator().manual_seed(cb)
+    B, H, n, steps, tau = 2, 16, 40, 3, 0.06
+    L = n + steps
+    C = (torch.randn(B, 1, L, 512, generator=gen) + 0.3).to(torch.bfloat16).to(DEVICE)
+    K = torch.randn(B, 1, L, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
+    q = (torch.randn(B, H, L, 512, generator=gen) * 0.3).to(DEVICE)
+    qp = torch.randn(B, H, L, 64, generator=gen).to(DEVICE)
+    Ch = torch.stack([_exact_rows(C[b, 0].cpu(), cb, torch.bfloat16) for b in range(B)])
+    Kh = torch.stack([_exact_rows(K[b, 0].cpu(), 4, torch.float32) for b in range(B)])
+    Cf, Kf = C[:, 0].cpu().double(), K[:, 0].cpu().double()
+    t, j = torch.arange(L), torch.arange(L)
+    keep = protected_pairs(t, j, 4, 16)
+    qd, qpd = q.cpu().to(torch.bfloat16).double(), qp.cpu().to(torch.bfloat16).double()
+    s_bf = qd @ Cf.transpose(1, 2).unsqueeze(1) + qpd @ Kf.transpose(1, 2).unsqueeze(1)
+    s_q = qd @ Ch.transpose(1, 2).unsqueeze(1) + qpd @ Kh.transpose(1, 2).unsqueeze(1)
+    s = (tau * torch.where(keep, s_bf, s_q)).masked_fill(j[None, :] > t[:, None], float("-inf"))
+    p = torch.softmax(s, -1)
+    want = (p * keep) @ Cf.unsqueeze(1) + (p * ~keep) @ Ch.unsqueeze(1)
+    errs = {}
+    for exact in (True, False):
+        spec = CacheSpec(cb, 4, sink=4, recent=16, exact=exact)
+        cache = LatentCache(1, B, L)
+        outs = [cache.attend(0, spec, q[:, :, :n], qp[:, :, :n], C[:, :, :n], K[:, :, :n], None, tau)]
+        for i in range(n, L):
+            sl = slice(i, i + 1)
+            outs.append(cache.attend(0, spec, q[:, :, sl], qp[:, :, sl], C[:, :, sl], K[:, :, sl], None, tau))
+        got = torch.cat(outs, 2)
+        errs[exact] = (rel(got[:, :, :n], want[:, :, :n]), rel(got[:, :, n:], want[:, :, n:]))
+    # prompt: hi/lo BF16 rows (float64 on the CPU); decode: P in FP16 on the kernel
+    assert errs[True][0] < 3e-5 and errs[True][1] < 1e-3, errs
+    assert errs[False][0] > 10 * errs[True][0], errs

@@ -160,6 +160,8 @@ PREFILL_CONFIG = {
     "block_n": "keys per tile",
     "num_warps": "warps per program",
     "num_stages": "software-pipeline depth of the key loads",
+    "exact": "the stored rows as s·(q − z) unrounded (each a hi/lo pair of cache-dtype tiles) instead of rounded to "
+    "the cache dtype; False by default (the reference's semantics); its reference is reference.prefill with the same key",
 }
 
 
@@ -263,7 +265,8 @@ def attend(q_lat, q_pe, C, K_P, key_valid, spec, tau: float, backend: str = "aut
     (None: all); a request's tokens are its valid columns in order. With a quantized ``spec``
     every valid token is written into temporary pages and each pair follows the protection
     rule of ``spec`` (no protection when ``spec.protect`` is off). Returns (B, H, n, d_c) and
-    (B, H, n) float32; columns that are not valid queries get 0 and -inf.
+    (B, H, n) float32; columns that are not valid queries get 0 and -inf. ``spec.exact`` reads
+    the stored rows unrounded (prefill config ``exact``).
     """
     B, H, n, d_c = q_lat.shape
     L, d_r = C.shape[1], K_P.shape[-1]
@@ -297,7 +300,8 @@ def attend(q_lat, q_pe, C, K_P, key_valid, spec, tau: float, backend: str = "aut
         write(layer, bt, Cc.detach()[live], Kc.detach()[live], req, pos, kv_len, backend)
         if spec.protect:
             sink, recent = spec.sink, spec.recent
-    o, lse = prefill(qc, qpc, Cc, Kc, kv_len, q_len, tau, sink, recent, layer, bt, backend)
+    config = {"exact": True} if spec.exact_rows else None
+    o, lse = prefill(qc, qpc, Cc, Kc, kv_len, q_len, tau, sink, recent, layer, bt, backend, config)
     if qv is not None:  # back to the input columns: query k of a request sits at its k-th valid column
         rank = (qv.cumsum(1) - 1).clamp_min(0)
         o = o.gather(2, rank[:, None, :, None].expand(B, H, n, d_c)) * qv[:, None, :, None]

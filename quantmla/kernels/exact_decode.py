@@ -73,7 +73,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from quantmla.kernels.gluon_decode import _join8, _prot_valid, hopper_page
+from quantmla.kernels.gluon_decode import _join8, _prot_valid, hopper_format
 from quantmla.kernels.mma_decode import _prefetch_page
 
 LOG2E = 1.4426950408889634
@@ -850,7 +850,12 @@ def constexprs(fmt, sink: int, recent: int, split: bool, late_check: bool = True
 def applies(layer, H: int, device) -> bool:
     """Whether this kernel takes ``layer`` for ``H`` heads on ``device``: C4R4 or C2R4, at most 16 heads, in
     the page layout :func:`.gluon_decode.hopper_page` describes."""
-    return layer.fmt.content_bits in (2, 4) and H <= 16 and hopper_page(layer, device)
+    return takes(layer.fmt, layer.prot is not None, H, device)
 
 
-__all__ = ["applies", "decode"]
+def takes(fmt, protected: bool, H: int, device) -> bool:
+    """:func:`applies` before any layer exists: a page format, whether it has protection buffers."""
+    return fmt.content_bits in (2, 4) and H <= 16 and hopper_format(fmt, protected, device)
+
+
+__all__ = ["applies", "decode", "takes"]

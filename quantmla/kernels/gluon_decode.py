@@ -534,10 +534,15 @@ def applies(layer, H: int, device) -> bool:
 def hopper_page(layer, device) -> bool:
     """The layer and device the Gluon decode kernels are written for: 4-bit RoPE codes in a BF16
     cache, group 64, d_c 512, d_r 64, protection buffers on, a Hopper (sm_90) GPU."""
-    fmt = layer.fmt
+    return hopper_format(layer.fmt, layer.prot is not None, device)
+
+
+def hopper_format(fmt, protected: bool, device) -> bool:
+    """:func:`hopper_page` for a page format, whether it has protection buffers, and a device."""
+    device = torch.device(device)
     return (
         (fmt.rope_bits, fmt.dtype, fmt.group, fmt.d_c, fmt.d_r) == (4, torch.bfloat16, 64, 512, 64)
-        and layer.prot is not None
+        and protected
         and device.type == "cuda"
         and _sm90(device.index if device.index is not None else torch.cuda.current_device())
     )
@@ -548,4 +553,4 @@ def _sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
 
 
-__all__ = ["applies", "decode", "hopper_page"]
+__all__ = ["applies", "decode", "hopper_format", "hopper_page"]

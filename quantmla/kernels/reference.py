@@ -163,17 +163,20 @@ def prefill(
     ``j < sink`` or ``j > t - recent``, else the stored row. Without ``layer`` every key is
     the cache-dtype row. Returns (B, H, n, d_c) and (B, H, n) float32; rows past ``q_len``
     are 0 and -inf (written into ``out`` when given; the result is differentiable otherwise;
-    float64 for a float64 cache).
+    float64 for a float64 cache). ``config`` tunes the kernel and is ignored here, but for its key
+    ``exact``: the stored rows are then ``s·(q − z)`` computed in float64 and not rounded to the
+    cache dtype, and the attention runs in float64 (returned as float32, as from the kernel).
     """
     B, H, n, d_c = q_lat.shape
     dtype = C.dtype
-    cd = compute_dtype(dtype)
+    exact = bool((config or {}).get("exact")) and layer is not None
+    cd = torch.float64 if exact else compute_dtype(dtype)
     outs, lses = [], []
     for b in range(B):
         L, m = int(kv_len[b]), int(q_len[b])
         keys, rkeys = C[b, :L].to(cd), K_P[b, :L].to(cd)
         if layer is not None:
-            hat, rhat = (t.to(cd) for t in stored_rows(layer, block_table, b, L))
+            hat, rhat = (t.to(cd) for t in stored_rows(layer, block_table, b, L, exact))
         q = q_lat[b, :, :m].to(dtype).to(cd)
         qp = q_pe[b, :, :m].to(dtype).to(cd)
         k_index = torch.arange(L, device=C.device)
@@ -204,4 +207,5 @@ def prefill(
             lse_b = q_lat.new_full((H, n), float("-inf"), dtype=cd)
         outs.append(o_b)
         lses.append(lse_b)
-    return _into(out, torch.stack(outs), torch.stack(lses))
+    o, lse = torch.stack(outs), torch.stack(lses)
+    return _into(out, o.float(), lse.float()) if exact and dtype != torch.float64 else _into(out, o, lse)

@@ -599,13 +599,19 @@ def uses_mma16(layer, H: int, cfg: dict, device, per: int) -> bool:
 def check_exact(layer, H: int, device) -> None:
     """Raise where config ``exact`` cannot be honoured: only :mod:`.exact_decode` computes attention
     over the exactly dequantized cache, for the layers, head counts and devices it takes."""
+    check_exact_format(layer.fmt, layer.prot is not None, H, device)
+
+
+def check_exact_format(fmt, protected: bool, H: int, device) -> None:
+    """:func:`check_exact` for a page format, whether it has protection buffers, ``H`` and a device:
+    what a run checks before it loads a model."""
     e = None if INTERPRET else _exact()
-    if e is None or not e.applies(layer, H, device):
+    if e is None or not e.takes(fmt, protected, H, device):
         raise ValueError(
             "decode config exact=True (attention over the exactly dequantized cache) runs only on the "
             "exact_decode Gluon kernel: C4R4 or C2R4 in a BF16 cache with protection buffers, group 64, d_c 512, "
-            f"d_r 64, at most 16 heads, on a Hopper (sm_90) GPU; got {layer.fmt.name} in {layer.fmt.dtype}, "
-            f"{H} heads, protection {'on' if layer.prot is not None else 'off'}, device {device}"
+            f"d_r 64, at most 16 heads, on a Hopper (sm_90) GPU; got {fmt.name} in {fmt.dtype}, group {fmt.group}, "
+            f"d_c {fmt.d_c}, d_r {fmt.d_r}, {H} heads, protection {'on' if protected else 'off'}, device {device}"
         )
 
 

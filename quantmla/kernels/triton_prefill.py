@@ -7,7 +7,10 @@ under one softmax::
 
     S = where(M, S_row, S_stored),   O = (P ⊙ M) C + (P ⊙ ¬M) Ĉ
 
-so log-likelihoods see exactly what token-by-token decoding would. All H heads share the
+so log-likelihoods see exactly what token-by-token decoding would. With config ``exact`` the
+stored rows are ``s·(q − z)`` in float32, not rounded to the cache dtype: each enters the tensor
+cores as a hi/lo pair of cache-dtype tiles (x = x_hi + x_lo to about 2^-17), the teacher-forced
+side of the exact decode kernel's contract (:mod:`quantmla.kernels.exact_decode`). All H heads share the
 latent keys, so a program takes a block of rows (query, head) — ``BLOCK_M`` of them, query
 major — and each key tile is read and dequantized once for all of them. Key tiles with no
 protected pair for any query of the block (most tiles of a long prompt) take the stored rows
@@ -43,12 +46,15 @@ def _tile(q, qpe, m_i, l_i, acc, k0, b, kv_len, tq, live, qk_scale, given, store
           DC: tl.constexpr, DCP: tl.constexpr, DR: tl.constexpr, G: tl.constexpr, C_BITS: tl.constexpr,
           R_BITS: tl.constexpr, C_W: tl.constexpr, R_W: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
           PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PV_SPLIT: tl.constexpr,
-          IEEE: tl.constexpr, KV: tl.constexpr, INTERP: tl.constexpr, MODE: tl.constexpr):  # fmt: skip
+          IEEE: tl.constexpr, KV: tl.constexpr, INTERP: tl.constexpr, MODE: tl.constexpr,
+          EXACT: tl.constexpr):  # fmt: skip
     """One key tile k0 .. k0 + BLOCK_N into the block's online softmax. MODE 0: the rows as given
     (16-bit cache); 1: the rows as given and the stored rows, chosen per pair by the protection
     rule; 2: the stored rows alone (the caller knows no pair of this tile is protected).
     ``given`` holds the given rows' pointers and strides, ``stored`` the block table and both
-    paths' page regions (:func:`_tiles.region_args`)."""
+    paths' page regions (:func:`_tiles.region_args`). ``EXACT``: the stored rows reconstructed in
+    float32 and split into a hi/lo pair in the cache dtype, instead of rounded to it."""
+    SK: tl.constexpr = tl.float32 if EXACT else KV  # the dtype the stored rows are reconstructed in
     C, KP, stride_cb, stride_cl, stride_kb, stride_kl = given
     BT, stride_bt, CRows, CCodes, CScale, CZero, ps_crows, ps_ccodes, ps_cscale, ps_czero = stored[:10]
     RRows, RCodes, RScale, RZero, ps_rrows, ps_rcodes, ps_rscale, ps_rzero = stored[10:]
@@ -68,14 +74,22 @@ def _tile(q, qpe, m_i, l_i, acc, k0, b, kv_len, tq, live, qk_scale, given, store
         slots = k0 % PAGE_SIZE + tl.arange(0, BLOCK_N)
         sc, zc = load_meta(CScale, CZero, ps_cscale, ps_czero, page, slots, jv, DC, DCP, C_BITS, G, BLOCK_N)
         hc = load_rows(CRows, CCodes, ps_crows, ps_ccodes, page, slots, jv, sc, zc,
-                       DC, DCP, C_BITS, C_W, G, BLOCK_N, KV, INTERP)  # fmt: skip
+                       DC, DCP, C_BITS, C_W, G, BLOCK_N, SK, INTERP)  # fmt: skip
         sr, zr = load_meta(RScale, RZero, ps_rscale, ps_rzero, page, slots, jv, DR, DR, R_BITS, G, BLOCK_N)
         hr = load_rows(RRows, RCodes, ps_rrows, ps_rcodes, page, slots, jv, sr, zr,
-                       DR, DR, R_BITS, R_W, G, BLOCK_N, KV, INTERP)  # fmt: skip
-        if C_BITS < 16:
+                       DR, DR, R_BITS, R_W, G, BLOCK_N, SK, INTERP)  # fmt: skip
+        if EXACT:  # x = hi + lo: the scores and P·V take both halves
+            hc_lo = hc - hc.to(KV).to(tl.float32)
+            hr_lo = (hr - hr.to(KV).to(tl.float32)).to(KV)
+            hc, hr = anchor(hc.to(KV), INTERP), hr.to(KV)
+            hc_lo = anchor(hc_lo.to(KV), INTERP)
+        elif C_BITS < 16:
             hc = anchor(hc, INTERP)
         sh = dot(q, tl.trans(hc), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE, INTERP)
         sh = dot(qpe, tl.trans(hr), sh, IEEE, INTERP)
+        if EXACT:
+            sh = dot(q, tl.trans(hc_lo), sh, IEEE, INTERP)
+            sh = dot(qpe, tl.trans(hr_lo), sh, IEEE, INTERP)
     if MODE == 1:
         keep = (j[None, :] < SINK) | (j[None, :] > tq[:, None] - RECENT)
         s = tl.where(keep, s, sh)
@@ -90,8 +104,12 @@ def _tile(q, qpe, m_i, l_i, acc, k0, b, kv_len, tq, live, qk_scale, given, store
         pk = tl.where(keep, p, 0.0)
         acc = pv(pk, xc, acc, PV_SPLIT, IEEE, KV, INTERP)
         acc = pv(p - pk, hc, acc, PV_SPLIT, IEEE, KV, INTERP)
+        if EXACT:
+            acc = pv(p - pk, hc_lo, acc, False, IEEE, KV, INTERP)
     else:
         acc = pv(p, hc, acc, PV_SPLIT, IEEE, KV, INTERP)
+        if EXACT:
+            acc = pv(p, hc_lo, acc, False, IEEE, KV, INTERP)
     return m_new, l_i, acc
 
 
@@ -157,6 +175,7 @@ def _prefill_kernel(
     IEEE: tl.constexpr,
     KV: tl.constexpr,
     INTERP: tl.constexpr,
+    EXACT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -206,12 +225,12 @@ def _prefill_kernel(
             for k0 in range(start, end, BLOCK_N):
                 m_i, l_i, acc = _tile(q, qpe, m_i, l_i, acc, k0, b, kv_len, tq, live, qk_scale, given, stored, DC,
                                       DCP, DR, G, C_BITS, R_BITS, C_W, R_W, SINK, RECENT, PAGE_SIZE, BLOCK_M, BLOCK_N,
-                                      PV_SPLIT, IEEE, KV, INTERP, 2 if part == 1 else 1)  # fmt: skip
+                                      PV_SPLIT, IEEE, KV, INTERP, 2 if part == 1 else 1, EXACT)  # fmt: skip
     else:
         for k0 in range(0, n_keys, BLOCK_N):
             m_i, l_i, acc = _tile(q, qpe, m_i, l_i, acc, k0, b, kv_len, tq, live, qk_scale, given, stored, DC, DCP,
                                   DR, G, C_BITS, R_BITS, C_W, R_W, SINK, RECENT, PAGE_SIZE, BLOCK_M, BLOCK_N, PV_SPLIT,
-                                  IEEE, KV, INTERP, 0)  # fmt: skip
+                                  IEEE, KV, INTERP, 0, False)  # fmt: skip
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
@@ -221,13 +240,18 @@ def _prefill_kernel(
     tl.store(LSE + (b * H + h) * N + i, lse, mask=in_out)
 
 
-def default_config(H: int, n: int, fmt, quantized: bool) -> dict:
+def default_config(H: int, n: int, fmt, quantized: bool, exact: bool = False) -> dict:
     """Tiles for the teacher-forced kernel: the fastest of ``bench/prefill.py --tune`` on the H200 for
     every format (32 rows × 64 keys, 8 warps; 64-row tiles of 64 keys exceed shared memory). The
     quantized variant keeps both key tiles live; 16-key tiles, taken earlier for its registers,
-    ran it 4–5× slower (bench/NOTES.md, "Teacher-forced tiles")."""
+    ran it 4–5× slower (bench/NOTES.md, "Teacher-forced tiles"). With ``exact`` (each stored row a hi/lo
+    pair) 16 rows × 32 keys, 4 warps: compiled for sm_90 (``bench/gluon_sass.py --prefill``) the
+    default tiles spill 2.7–2.9 KB per thread there, 32 × 32 with 8 warps 2.0 KB at C4R4 and 10 KB at
+    C2R4, 16 × 32 with 4 warps 0.7–0.8 KB (the rounded kernel at its tiles: 1.5–1.6 KB)."""
     if INTERPRET:
         return dict(block_m=64, block_n=64, num_warps=4, num_stages=1)
+    if exact:
+        return dict(block_m=16, block_n=32, num_warps=4, num_stages=2)
     return dict(block_m=32, block_n=64, num_warps=8, num_stages=2)
 
 
@@ -252,7 +276,8 @@ def prefill(
     dtype = C.dtype
     quant = layer is not None
     fmt = layer.fmt if quant else _Plain(d_c, d_r, dtype)
-    cfg = default_config(H, n, fmt, quant) | (config or {})
+    exact = bool((config or {}).get("exact")) and quant and dtype != torch.float32  # float32 rows are unrounded
+    cfg = default_config(H, n, fmt, quant, exact) | {k: v for k, v in (config or {}).items() if k != "exact"}
     block_m, block_n = cfg["block_m"], cfg["block_n"]
     if block_n < 16 or block_m < 16 or PAGE % block_n or (block_m & (block_m - 1)):
         raise ValueError(f"prefill tiles: block_n must divide {PAGE}, both powers of two of at least 16; got {cfg}")
@@ -308,6 +333,7 @@ def prefill(
         IEEE=dtype == torch.float32,
         KV=tl_dtype(dtype),
         INTERP=INTERPRET,
+        EXACT=exact,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
