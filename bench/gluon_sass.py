@@ -185,8 +185,9 @@ def main() -> None:
             for exact in (False, True):
                 sass, res, shared, cfg = compile_prefill_sass(bits, exact)
                 tiles = f"{cfg['block_m']}x{cfg['block_n']}/{cfg['num_warps']} warps"
-                print(f"prefill C{bits}R4 exact={exact} ({tiles}): {res} shared={shared} B, "
-                      f"{len(re.findall(r'HGMMA', sass))} HGMMA, {len(re.findall(r'HMMA', sass))} HMMA")  # fmt: skip
+                ops = re.findall(r"\b(HMMA\.\w+(?:\.\w+)*)", sass)
+                kinds = ", ".join(f"{n} {o}" for o, n in sorted(Counter(ops).items()))
+                print(f"prefill C{bits}R4 exact={exact} ({tiles}): {res} shared={shared} B, {len(ops)} HMMA ({kinds})")
         return
     if args.triton:
         for bits in args.bits:

@@ -111,3 +111,21 @@ def test_exact_kernel_compiles_for_hopper_with_one_tile_per_loop_iteration():
         loops = re.findall(r"loop \d+: \d+ instructions, (\d+) HGMMA, (\d+) HMMA, \d+ BSSY, (\d+) local", head.group(4))
         assert [tuple(map(int, t)) for t in loops][0] == (39, 72, 0), (bits, r.stdout)
         assert [tuple(map(int, t))[:2] for t in loops] == [(39, 72), (36, 64)], (bits, r.stdout)
+
+
+def test_teacher_forced_kernel_compiles_for_hopper_rounded_and_exact():
+    """The teacher-forced kernel at its default tiles compiled for sm_90, its stored rows rounded and
+    ``exact``: its tensor-core products are all BF16 m16n8k16 in both (a float32 operand left in the
+    exact path's hi/lo pair would compile to TF32 products), and the exact tiles fit two programs'
+    shared memory per SM."""
+    r = _compile("bench/gluon_sass.py", "--prefill", "--bits", "4", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    for bits in (4, 2):
+        for exact in ("False", "True"):
+            m = re.search(
+                rf"prefill C{bits}R4 exact={exact} \(.*\): REG:\d+ STACK:\d+ shared=(\d+) B, (\d+) HMMA \((.*)\)",
+                r.stdout,
+            )
+            assert m and int(m.group(2)) > 0 and m.group(3) == f"{m.group(2)} HMMA.16816.F32.BF16", r.stdout
+            if exact == "True":
+                assert int(m.group(1)) <= 227 * 1024 // 2, r.stdout

@@ -245,13 +245,13 @@ def default_config(H: int, n: int, fmt, quantized: bool, exact: bool = False) ->
     every format (32 rows × 64 keys, 8 warps; 64-row tiles of 64 keys exceed shared memory). The
     quantized variant keeps both key tiles live; 16-key tiles, taken earlier for its registers,
     ran it 4–5× slower (bench/NOTES.md, "Teacher-forced tiles"). With ``exact`` (each stored row a hi/lo
-    pair) 16 rows × 32 keys, 4 warps: compiled for sm_90 (``bench/gluon_sass.py --prefill``) the
-    default tiles spill 2.7–2.9 KB per thread there, 32 × 32 with 8 warps 2.0 KB at C4R4 and 10 KB at
-    C2R4, 16 × 32 with 4 warps 0.7–0.8 KB (the rounded kernel at its tiles: 1.5–1.6 KB)."""
+    pair) 16 rows × 16 keys, 4 warps, the fastest of ``bench/prefill.py --exact --tune c4r4_exact`` at
+    B=1, n=4096 (11.6 ms; 16 × 32 12.4, 32 × 32 12.6; the rounded kernel 5.0), where the rounded
+    kernel's tiles spill 2.7–2.9 KB per thread (sm_90 compile, ``bench/gluon_sass.py --prefill``)."""
     if INTERPRET:
         return dict(block_m=64, block_n=64, num_warps=4, num_stages=1)
     if exact:
-        return dict(block_m=16, block_n=32, num_warps=4, num_stages=2)
+        return dict(block_m=16, block_n=16, num_warps=4, num_stages=2)
     return dict(block_m=32, block_n=64, num_warps=8, num_stages=2)
 
 
