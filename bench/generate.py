@@ -2,6 +2,7 @@
 
     python bench/generate.py                          # DeepSeek-V2-Lite-like shapes, 27 layers
     python bench/generate.py --layers 4 --new 32      # a quick look
+    python bench/generate.py --exact                  # also C4R4 and C2R4 with exact=True (the exact kernels)
 
 A randomly initialised DeepseekV2 model (hidden 2048, 16 heads, d_c 512, d_r 64, dense MLPs,
 no hub) generates ``--new`` tokens for ``--batch`` prompts of ``--prompt`` tokens with
@@ -97,6 +98,7 @@ def main(argv=None) -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--formats", default="c16r16,c4r4,c2r4", help="harness formats (CxRy), comma-separated")
+    ap.add_argument("--exact", action="store_true", help="also each quantized format with exact=True")
     ap.add_argument("--no-native", action="store_true", help="skip transformers' own attention")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
@@ -105,6 +107,8 @@ def main(argv=None) -> None:
     if args.new < 2:
         sys.exit("--new must be at least 2 (decode time is the difference to a one-token run)")
     specs = [CacheSpec.parse(f) for f in args.formats.split(",") if f.strip()]
+    if args.exact:
+        specs += [CacheSpec.parse(s.name, exact=True) for s in specs if s.quantized]
     stamp = datetime.datetime.now(datetime.UTC)
     props = torch.cuda.get_device_properties(DEV)
     meta = run_meta(props, stamp, "python bench/generate.py " + " ".join(argv if argv is not None else sys.argv[1:]))
@@ -121,8 +125,9 @@ def main(argv=None) -> None:
         print("native", rows["native"], flush=True)
     for spec in specs:
         attention.install(model, spec)
-        rows[spec.name] = measure(model, ids, args.new, True, args.repeats)
-        print(spec.name, rows[spec.name], flush=True)
+        name = spec.name + ("_exact" if spec.exact else "")
+        rows[name] = measure(model, ids, args.new, True, args.repeats)
+        print(name, rows[name], flush=True)
         attention.uninstall(model)
     meta["rows"] = rows
     write_record(meta, "generate", stamp, args.out)
