@@ -3,6 +3,7 @@
     python bench/generate.py                          # DeepSeek-V2-Lite-like shapes, 27 layers
     python bench/generate.py --layers 4 --new 32      # a quick look
     python bench/generate.py --exact                  # also C4R4 and C2R4 with exact=True (the exact kernels)
+    python bench/generate.py --profile                # also where the host's time goes (cProfile)
 
 A randomly initialised DeepseekV2 model (hidden 2048, 16 heads, d_c 512, d_r 64, dense MLPs,
 no hub) generates ``--new`` tokens for ``--batch`` prompts of ``--prompt`` tokens with
@@ -87,6 +88,25 @@ def measure(model, ids, new: int, paged: bool, repeats: int) -> dict:
     return {"prefill_ms": one, "total_ms": full, "decode_ms_per_token": ms, "syncs_per_decode_step": per_step}
 
 
+def profile(model, ids, new: int, paged: bool, top: int = 30) -> str:
+    """The host's time in one ``generate`` of ``new`` tokens by function (cProfile, own time first):
+    where a decode step that the host bounds spends it."""
+    import cProfile
+    import io
+    import pstats
+
+    generate(model, ids, 4, paged)
+    prof = cProfile.Profile()
+    torch.cuda.synchronize()
+    prof.enable()
+    generate(model, ids, new, paged)
+    torch.cuda.synchronize()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue()
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=27)
@@ -99,6 +119,7 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--formats", default="c16r16,c4r4,c2r4", help="harness formats (CxRy), comma-separated")
     ap.add_argument("--exact", action="store_true", help="also each quantized format with exact=True")
+    ap.add_argument("--profile", action="store_true", help="also print each row's host profile (cProfile)")
     ap.add_argument("--no-native", action="store_true", help="skip transformers' own attention")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
@@ -123,11 +144,15 @@ def main(argv=None) -> None:
     if not args.no_native:
         rows["native"] = measure(model, ids, args.new, False, args.repeats)
         print("native", rows["native"], flush=True)
+        if args.profile:
+            print(profile(model, ids, args.new, False), flush=True)
     for spec in specs:
         attention.install(model, spec)
         name = spec.name + ("_exact" if spec.exact else "")
         rows[name] = measure(model, ids, args.new, True, args.repeats)
         print(name, rows[name], flush=True)
+        if args.profile:
+            print(profile(model, ids, args.new, True), flush=True)
         attention.uninstall(model)
     meta["rows"] = rows
     write_record(meta, "generate", stamp, args.out)
