@@ -81,54 +81,26 @@ def compile_triton_sass(bits: int, sink_in_tile0: bool) -> tuple[str, str, int]:
     """(SASS text, resource line, shared bytes) of the Triton decode kernel
     (:mod:`quantmla.kernels.triton_decode`) with its 16-head tiles, for ``bits``-bit content codes
     and 4-bit RoPE codes in a BF16 cache, the sink in page tile 0 or among the protected tiles."""
-    import torch
-    from triton.compiler import ASTSource
-
     from quantmla.kernels import PagedLayer, PageFormat, triton_decode
-    from quantmla.kernels._tiles import region_args
 
     layer = PagedLayer(PageFormat(bits, 4), 1, "cpu", batch=1, sink=4, recent=128)
     cfg = dict(triton_decode.TILES[(False, True)], block_h=16)
     consts = triton_decode.constexprs(layer, cfg, True, sink_in_tile0) | dict(INTERP=False)
-    types = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.uint8: "u8", torch.int32: "i32"}
-    regions = dict(zip(("CRows", "CCodes", "CScale", "CZero"), region_args(layer, "C")[:4]))
-    regions |= dict(zip(("RRows", "RCodes", "RScale", "RZero"), region_args(layer, "R")[:4]))
-    k = triton_decode._decode_kernel
-    sig, attrs = {}, {}
-    for i, n in enumerate(k.arg_names):
-        if n in consts:
-            sig[n] = "constexpr"
-        elif n in regions or n in POINTERS:
-            sig[n] = "*" + (types[regions[n].dtype] if n in regions else POINTERS[n])
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[n] = "fp32" if n == "qk_scale" else "i32"
-    src = ASTSource(k, sig, constexprs={(k.arg_names.index(n),): v for n, v in consts.items()}, attrs=attrs)
-    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg["num_warps"],
-                                                                          num_stages=cfg["num_stages"]))  # fmt: skip
-    return _sass(c)
+    return _sass(_compile_triton(triton_decode._decode_kernel, layer, consts, POINTERS, cfg))
 
 
-def compile_prefill_sass(bits: int, exact: bool) -> tuple[str, str, int, dict]:
-    """(SASS text, resource line, shared bytes, tiles) of the teacher-forced kernel
-    (:mod:`quantmla.kernels.triton_prefill`) with its default tiles, for ``bits``-bit content codes
-    and 4-bit RoPE codes in a BF16 cache at d_c 512 with protection, the stored rows rounded or ``exact``."""
+def _compile_triton(k, layer, consts: dict, pointers: dict, cfg: dict):
+    """Triton kernel ``k`` compiled for sm_90: ``consts`` its compile-time arguments, ``layer``'s page
+    regions and ``pointers`` (name: element type) its pointer arguments (16-byte aligned), every
+    other argument an int32 but ``qk_scale``; tiles ``cfg`` (warps, stages)."""
     import torch
     from triton.compiler import ASTSource
 
-    from quantmla.kernels import PagedLayer, PageFormat, triton_prefill
-    from quantmla.kernels._tiles import container_bits, region_args
+    from quantmla.kernels._tiles import region_args
 
-    layer = PagedLayer(PageFormat(bits, 4), 1, "cpu", batch=1, sink=4, recent=128)
-    cfg = triton_prefill.default_config(16, 1024, layer.fmt, True, exact)
-    consts = dict(DC=512, DCP=512, DR=64, G=64, C_BITS=bits, R_BITS=4, C_W=container_bits(bits), R_W=4, QUANT=True,
-                  SINK=4, RECENT=128, PAGE_SIZE=64, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], PV_SPLIT=True,
-                  IEEE=False, KV=triton.language.bfloat16, INTERP=False, EXACT=exact)  # fmt: skip
     types = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.uint8: "u8", torch.int32: "i32"}
     regions = dict(zip(("CRows", "CCodes", "CScale", "CZero"), region_args(layer, "C")[:4]))
     regions |= dict(zip(("RRows", "RCodes", "RScale", "RZero"), region_args(layer, "R")[:4]))
-    pointers = dict(Q="bf16", QPE="bf16", O="fp32", LSE="fp32", C="bf16", KP="bf16", KVLEN="i64", QLEN="i64", BT="i32")
-    k = triton_prefill._prefill_kernel
     sig, attrs = {}, {}
     for i, n in enumerate(k.arg_names):
         if n in consts:
@@ -139,9 +111,24 @@ def compile_prefill_sass(bits: int, exact: bool) -> tuple[str, str, int, dict]:
         else:
             sig[n] = "fp32" if n == "qk_scale" else "i32"
     src = ASTSource(k, sig, constexprs={(k.arg_names.index(n),): v for n, v in consts.items()}, attrs=attrs)
-    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg["num_warps"],
-                                                                          num_stages=cfg["num_stages"]))  # fmt: skip
-    return (*_sass(c), cfg)
+    options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def compile_prefill_sass(bits: int, exact: bool) -> tuple[str, str, int, dict]:
+    """(SASS text, resource line, shared bytes, tiles) of the teacher-forced kernel
+    (:mod:`quantmla.kernels.triton_prefill`) with its default tiles, for ``bits``-bit content codes
+    and 4-bit RoPE codes in a BF16 cache at d_c 512 with protection, the stored rows rounded or ``exact``."""
+    from quantmla.kernels import PagedLayer, PageFormat, triton_prefill
+    from quantmla.kernels._tiles import container_bits
+
+    layer = PagedLayer(PageFormat(bits, 4), 1, "cpu", batch=1, sink=4, recent=128)
+    cfg = triton_prefill.default_config(16, 1024, layer.fmt, True, exact)
+    consts = dict(DC=512, DCP=512, DR=64, G=64, C_BITS=bits, R_BITS=4, C_W=container_bits(bits), R_W=4, QUANT=True,
+                  SINK=4, RECENT=128, PAGE_SIZE=64, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], PV_SPLIT=True,
+                  IEEE=False, KV=triton.language.bfloat16, INTERP=False, EXACT=exact)  # fmt: skip
+    pointers = dict(Q="bf16", QPE="bf16", O="fp32", LSE="fp32", C="bf16", KP="bf16", KVLEN="i64", QLEN="i64", BT="i32")
+    return (*_sass(_compile_triton(triton_prefill._prefill_kernel, layer, consts, pointers, cfg)), cfg)
 
 
 def _sass(c) -> tuple[str, str, int]:
