@@ -77,3 +77,15 @@ def to_device(layer: PagedLayer) -> PagedLayer:
     moved.pool.copy_(layer.pool)
     moved.prot = layer.prot.to(DEVICE) if layer.prot is not None else None
     return moved
+
+
+def exact_rows(x: torch.Tensor, bits: int, scale_dtype: torch.dtype) -> torch.Tensor:
+    """s·(q − z) of the quantizer's own codes, scales and zero-points (``quant.quantize``, independent
+    of the pages), in float64 and unrounded; ``x`` itself at 16 bits."""
+    from quantmla.quant import quantize
+
+    if bits == 16:
+        return x.double()
+    t = quantize(x, bits, 64, scale_dtype=scale_dtype)
+    q = t.codes.double().unflatten(-1, (-1, 64))
+    return (t.scale.double().unsqueeze(-1) * (q - t.zero.double().unsqueeze(-1))).flatten(-2)

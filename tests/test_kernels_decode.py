@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from kernels_helpers import DEVICE, TOL, filled_layer, rel, same_inf
+from kernels_helpers import DEVICE, TOL, exact_rows, filled_layer, rel, same_inf
 
 from quantmla import kernels
 from quantmla.cache import protected_set
@@ -405,8 +405,6 @@ def test_reference_exact_decode_is_attention_over_the_unrounded_dequantized_cach
     zero-points (quant.quantize, independent of the pages), the protected rows in BF16; and it is
     not the paper's function, whose reconstructed rows are rounded to BF16 first (on these
     latents that rounding moves the output by more than 1e-5)."""
-    from quantmla.quant import quantize
-
     gen = torch.Generator().manual_seed(13 + cb)
     fmt = PageFormat(cb, 4)
     sink, recent = 4, 16
@@ -421,13 +419,9 @@ def test_reference_exact_decode_is_attention_over_the_unrounded_dequantized_cach
     for b, L in enumerate(lengths):
         rows = []
         for x, bits, sd in ((C[b, :L].cpu(), cb, torch.bfloat16), (K[b, :L].cpu(), 4, torch.float32)):
-            t = quantize(x, bits, 64, scale_dtype=sd)
-            deq = t.scale.double().unsqueeze(-1) * (
-                t.codes.double().unflatten(-1, (-1, 64)) - t.zero.double().unsqueeze(-1)
-            )
             keep = torch.zeros(L, dtype=torch.bool)
             keep[protected_set(L, sink, recent)] = True
-            rows.append(torch.where(keep[:, None], x.double(), deq.flatten(-2)))
+            rows.append(torch.where(keep[:, None], x.double(), exact_rows(x, bits, sd)))
         Ck, Kk = rows
         qb, qpb = q[b].cpu().to(fmt.dtype).double(), qp[b].cpu().to(fmt.dtype).double()
         s = tau * (qb @ Ck.T + qpb @ Kk.T)

@@ -11,7 +11,7 @@ import types
 
 import pytest
 import torch
-from kernels_helpers import DEVICE, rel
+from kernels_helpers import DEVICE, exact_rows, rel
 
 from quantmla import attention
 from quantmla.cache import CacheSpec, protected_pairs
@@ -137,17 +137,6 @@ def test_masks_the_core_cannot_express_raise():
         attention.key_validity(mask, 1, 4, 4, "cpu")
 
 
-def _exact_rows(x, bits, scale_dtype):
-    """s·(q − z) of the quantizer's codes in float64, unrounded (x itself at 16 bits)."""
-    from quantmla.quant import quantize
-
-    if bits == 16:
-        return x.double()
-    t = quantize(x, bits, 64, scale_dtype=scale_dtype)
-    q = t.codes.double().unflatten(-1, (-1, 64))
-    return (t.scale.double().unsqueeze(-1) * (q - t.zero.double().unsqueeze(-1))).flatten(-2)
-
-
 @pytest.mark.parametrize("cb", [4, 2])
 def test_exact_spec_reaches_both_steps_of_the_paged_cache(cb):
     """``CacheSpec(exact=True)`` through the paged cache: a 40-token prompt (teacher-forced kernel)
@@ -163,8 +152,8 @@ def test_exact_spec_reaches_both_steps_of_the_paged_cache(cb):
     K = torch.randn(B, 1, L, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
     q = (torch.randn(B, H, L, 512, generator=gen) * 0.3).to(DEVICE)
     qp = torch.randn(B, H, L, 64, generator=gen).to(DEVICE)
-    Ch = torch.stack([_exact_rows(C[b, 0].cpu(), cb, torch.bfloat16) for b in range(B)])
-    Kh = torch.stack([_exact_rows(K[b, 0].cpu(), 4, torch.float32) for b in range(B)])
+    Ch = torch.stack([exact_rows(C[b, 0].cpu(), cb, torch.bfloat16) for b in range(B)])
+    Kh = torch.stack([exact_rows(K[b, 0].cpu(), 4, torch.float32) for b in range(B)])
     Cf, Kf = C[:, 0].cpu().double(), K[:, 0].cpu().double()
     t, j = torch.arange(L), torch.arange(L)
     keep = protected_pairs(t, j, 4, 16)

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from kernels_helpers import DEVICE, TOL, filled_layer, rel, same_inf
+from kernels_helpers import DEVICE, TOL, exact_rows, filled_layer, rel, same_inf
 
 from quantmla import kernels
 from quantmla.cache import CacheSpec, protected_pairs
@@ -126,16 +126,6 @@ def test_bad_prefill_inputs_raise():
         kernels.prefill(q, qp, C, K, kv_len, ql, 0.1, 4, 8, layer, bt, "triton", dict(block_h=16))
 
 
-def _exact_rows(x, bits, scale_dtype):
-    """s·(q − z) of the quantizer's own codes, scales and zero-points, in float64 (quant.quantize,
-    independent of the pages)."""
-    from quantmla.quant import quantize
-
-    t = quantize(x, bits, 64, scale_dtype=scale_dtype)
-    q = t.codes.double().unflatten(-1, (-1, 64))
-    return (t.scale.double().unsqueeze(-1) * (q - t.zero.double().unsqueeze(-1))).flatten(-2)
-
-
 @pytest.mark.parametrize("cb", [4, 2])
 def test_reference_exact_prefill_is_attention_over_the_unrounded_rows(cb):
     """Config ``exact``: float64 attention with each unprotected pair on s·(q − z) unrounded, the
@@ -153,7 +143,7 @@ def test_reference_exact_prefill_is_attention_over_the_unrounded_rows(cb):
     assert o.dtype == torch.float32 and lse.dtype == torch.float32
     for b, (L, m) in enumerate(zip(kv, ql)):
         Cb, Kb = C[b, :L].cpu().double(), K[b, :L].cpu().double()
-        Ch, Kh = _exact_rows(C[b, :L].cpu(), cb, torch.bfloat16), _exact_rows(K[b, :L].cpu(), 4, torch.float32)
+        Ch, Kh = exact_rows(C[b, :L].cpu(), cb, torch.bfloat16), exact_rows(K[b, :L].cpu(), 4, torch.float32)
         t, j = torch.arange(L - m, L), torch.arange(L)
         keep = protected_pairs(t, j, sink, recent)
         qb, qpb = q[b, :, :m].cpu().to(fmt.dtype).double(), qp[b, :, :m].cpu().to(fmt.dtype).double()

@@ -164,13 +164,14 @@ def test_exact_on_the_gpu_is_checked_before_loading():
     model's shapes and its dtype on that device."""
     import torch
 
+    from quantmla.kernels import PageFormat
     from quantmla.run import _check_exact
 
     p = plan(_compose("bits=c4r4", "exact=true", "device=cpu"))  # the torch reference takes any shape
     assert p.spec.exact and p.spec.exact_rows
     for model in ("smollm2_mla", "tiny"):
         p = plan(_compose(f"model={model}", "bits=c4r4", "exact=true", "device=cpu"))
-        fmt = __import__("quantmla.kernels", fromlist=["PageFormat"]).PageFormat(4, 4, *p.model.check())
+        fmt = PageFormat(4, 4, *p.model.check())
         with pytest.raises(ConfigError, match="exact=True.*d_c 512.*backend=reference"):
             _check_exact(p.model, fmt, p.spec, torch.device("cuda"))
 
