@@ -14,7 +14,8 @@ BF16 P, C4R4 exact, C2R4 with the default kernels and C2R4 exact, in one run; th
 running maximum checked by a reduction before P (``late_check=False``) instead of per warp
 beside P', and each stage left out in turn (``ablate`` 1: no P·V, 2: no score products, 3: no
 maximum check; wrong outputs, timing only). ``--maxnreg N`` adds every check and timing of the exact
-kernel under a register cap of N (168 lets three C2R4 programs share an SM). Writes
+kernel under a register cap of N (168 lets three C2R4 programs share an SM); ``--only`` times a
+subset beside C16R16 and leaves the variants out (for A/B runs of several trees, ``bench/ab.sh``). Writes
 ``exact16-<date>.json`` under ``--out``.
 """
 
@@ -130,6 +131,8 @@ def main() -> None:
     ap.add_argument("--ablate-shape", default="16:32:32768")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--maxnreg", type=int, help="also check and time the exact kernel under this register cap")
+    ap.add_argument("--only", help="time only these keys (comma-separated, e.g. c16r16,c4r4_exact,c2r4_exact); "
+                    "C16R16 is always timed, and the variants are left out")  # fmt: skip
     args = ap.parse_args()
     gen = torch.Generator(device=DEV).manual_seed(0)
     stamp = datetime.datetime.now()
@@ -161,6 +164,9 @@ def main() -> None:
                      ("c4r4_exact", "c4r4", {"exact": True}), ("c2r4", "c2r4", {}), ("c2r4_exact", "c2r4", {"exact": True}))  # fmt: skip
             if args.maxnreg:
                 timed += tuple((f"{f}_exact_r{args.maxnreg}", f, {"exact": True, "maxnreg": args.maxnreg}) for f in ("c4r4", "c2r4"))  # fmt: skip
+            if args.only:
+                keep = {"c16r16", *args.only.split(",")}
+                timed = tuple(t for t in timed if t[0] in keep)
             for key, name, cfg in timed:
                 ms = sh.time(name, cfg)
                 row[f"{key}_ms"] = ms
@@ -172,7 +178,8 @@ def main() -> None:
             del sh
             torch.cuda.empty_cache()
         meta["rows"] = rows
-        meta["variants"] = variants(args.ablate_shape, gen, l2)
+        if not args.only:
+            meta["variants"] = variants(args.ablate_shape, gen, l2)
     write_record(meta, "exact16", stamp, args.out)
     if not ok:
         sys.exit(1)
