@@ -38,7 +38,9 @@ registers and 83 KB of shared memory each at C4R4, 67 KB at C2R4):
   FP16 pairs (nibble j of each word: channel 4m + j), and four ``wgmma.m64n16k16`` (tokens on M,
   heads on N, the queries in shared memory pre-permuted and pre-divided by 16 for the odd nibbles)
   give the group's partial scores, which one FMA per element scales into the tile's scores; the
-  zero-point term of all 9 groups is three more wgmma (s·z and the query sums as FP16 hi/lo pairs);
+  zero-point term of all 9 groups is three more wgmma (s·z and the query sums as FP16 hi/lo pairs).
+  The nine groups' loads are all issued when the score phase starts, and P·V's before the softmax,
+  so that no unpacking waits on its ``ldmatrix`` (bench/NOTES.md v28);
 - online softmax with a lazy maximum: P is taken against the running maximum, and each warp
   publishes by how much its scores pass it beside P' (no reduction across warps before P); only a
   tile that passes it by more than 2^LAZY (``LAZY``, log2 units) raises it, rescales everything
@@ -55,10 +57,10 @@ been brought from the codes' 2^-24 units to units of 1. Splits and the LSE merge
 kernel's. Range: P <= 2^LAZY and P' = P·s in FP16 take content scales below 4,000 (group ranges
 below 60,000 at 4 bits, 12,000 at 2).
 
-Measured on the H200 (bench/NOTES.md v24-v26; sweep ``decode-20261202-011211``): at 16 heads,
-batch >= 32 and 8K tokens or more, C4R4 at 1.44-1.71x the speed of C16R16 and C2R4 at 1.51-1.81x,
-where the default kernels run them at 0.92-0.99x and 0.94-1.01x; 1.28x and 1.40x at batch 1 and
-128K; slower than C16R16 at batch 1 and short contexts (0.81-0.82x at 4K), where each split holds
+Measured on the H200 (bench/NOTES.md v24-v28; sweep ``decode-20261202-080645``): at 16 heads,
+batch >= 32 and 8K tokens or more, C4R4 at 1.52-1.82x the speed of C16R16 and C2R4 at 1.61-1.92x,
+where the default kernels run them at 0.90-0.97x and 0.92-1.00x; 1.30x and 1.40x at batch 1 and
+128K; slower than C16R16 at batch 1 and short contexts (0.81-0.83x at 4K), where each split holds
 one tile. C2R4's loop issues 4 % fewer instructions than C4R4's, with the same unpacking per code.
 
 Takes C4R4 or C2R4 in a BF16 cache (group 64, d_c 512, d_r 64, protection buffers on) for at most 16 heads
@@ -310,21 +312,28 @@ def _a_operands(x, CB: gl.constexpr, AL: gl.constexpr):
 
 
 @gluon.jit
-def _scores(cst, rst, qc, qr, zb, s, sr, wz, CB: gl.constexpr, AL: gl.constexpr, ACC: gl.constexpr):
-    """Σ_g s_tg (Σ_c n_tc q'_hc 2^-24 − z_tg Σ_c q'_hc 2^-24) for the page tile in stage ``cst``
-    (``s``: the content groups' scales per token; ``wz``: the A operand of the zero-point term):
-    tokens on M, one group's products in flight while the previous group's are scaled."""
+def _tile_words(cst, rst, CB: gl.constexpr, AL: gl.constexpr):
+    """The nine groups' code words of the page tile in stage ``cst`` (RoPE: ``rst``) as loaded for
+    the score products, all issued at once so that no unpacking waits on its ``ldmatrix``."""
+    return (_content_words(cst, 0, CB, AL), _content_words(cst, 1, CB, AL), _content_words(cst, 2, CB, AL),
+            _content_words(cst, 3, CB, AL), _content_words(cst, 4, CB, AL), _content_words(cst, 5, CB, AL),
+            _content_words(cst, 6, CB, AL), _content_words(cst, 7, CB, AL), rst.load(AL))  # fmt: skip
+
+
+@gluon.jit
+def _scores(xs, qc, qr, zb, s, sr, wz, CB: gl.constexpr, AL: gl.constexpr, ACC: gl.constexpr):
+    """Σ_g s_tg (Σ_c n_tc q'_hc 2^-24 − z_tg Σ_c q'_hc 2^-24) for the page tile whose code words are
+    ``xs`` (:func:`_tile_words`; ``s``: the content groups' scales per token; ``wz``: the A operand of
+    the zero-point term): tokens on M, one group's products in flight while the previous group's
+    are scaled."""
     tot = gl.zeros([64, 16], gl.float32, ACC)
     zacc = _zero_scores(wz, zb, ACC)
-    x = _content_words(cst, 0, CB, AL)
-    prev = _group_scores(_a_operands(x, CB, AL), qc, qr, 0, ACC)
+    prev = _group_scores(_a_operands(xs[0], CB, AL), qc, qr, 0, ACC)
     for g in gl.static_range(8):
         if g < 7:
-            x = _content_words(cst, g + 1, CB, AL)
-            nxt = _group_scores(_a_operands(x, CB, AL), qc, qr, g + 1, ACC)
+            nxt = _group_scores(_a_operands(xs[g + 1], CB, AL), qc, qr, g + 1, ACC)
         else:
-            x = rst.load(AL)
-            nxt = _group_scores(_unpack4(x), qc, qr, g + 1, ACC)
+            nxt = _group_scores(_unpack4(xs[8]), qc, qr, g + 1, ACC)
         prev = warpgroup_mma_wait(num_outstanding=4, deps=(prev,))
         tot = tot + s[g][:, None] * prev
         prev = nxt
@@ -435,13 +444,19 @@ def _b_operands(x, B2: gl.constexpr, CB: gl.constexpr):
 
 
 @gluon.jit
-def _pv(psm, cst, ztm, acc, az, CB: gl.constexpr, A2: gl.constexpr, B2: gl.constexpr):
-    """acc_j += P'_g · codes_j of the page tile's words (groups on the batch axis, two per warp; j:
-    nibble 0..3 at 4 bits, code 0..7 at 2) and the zero column: az += P'_g · (z·2^-24 in column 0)."""
+def _pv(psm, words, ztm, acc, az, CB: gl.constexpr, A2: gl.constexpr, B2: gl.constexpr):
+    """acc_j += P'_g · codes_j of the page tile's code ``words`` (:func:`_pv_words`; j: nibble 0..3 at
+    4 bits, code 0..7 at 2) and the zero column: az += P'_g · (z·2^-24 in column 0)."""
     pa = psm.permute((0, 2, 1)).load(A2)
-    acc = _mma_each(pa, _unpack(cst.reshape([8, 64, 4 * CB]).load(B2), CB), acc, CB)
+    acc = _mma_each(pa, _unpack(words, CB), acc, CB)
     az = mma_v2(pa, ztm.load(B2), az)
     return acc, az
+
+
+@gluon.jit
+def _pv_words(cst, CB: gl.constexpr, B2: gl.constexpr):
+    """The page tile's code words as P·V's B operands (groups on the batch axis, two per warp)."""
+    return cst.reshape([8, 64, 4 * CB]).load(B2)
 
 
 @gluon.jit
@@ -735,7 +750,10 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, POOL,
         if ABL == 2:  # timing only: no score products
             x = gl.zeros([64, 16], gl.float32, ACC)
         else:
-            x = _scores(cs.index(st), rs.index(st), qc, qr, zb, s8, sr, wz, CB, AL, ACC) * ch[None, :]
+            xs = _tile_words(cs.index(st), rs.index(st), CB, AL)
+            x = _scores(xs, qc, qr, zb, s8, sr, wz, CB, AL, ACC) * ch[None, :]
+        # P·V's code words while the softmax runs (the tile is in shared memory since the loop's barrier)
+        words = _pv_words(cs.index(st), CB, B2)
         if CHECK_LATE:
             # optimistic: P against the running maximum, each warp's overshoot published with P';
             # the rare tile that passes it by more than 2^LAZY is redone after the barrier
@@ -756,7 +774,7 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, POOL,
             _store_p(psm, p, s8)
             _barrier()  # P' and the zero-point tile visible to every warp
         if ABL != 1:  # ablation 1 (timing only): no P·V
-            acc, az = _pv(psm, cs.index(st), ztm, acc, az, CB, A2, B2)
+            acc, az = _pv(psm, words, ztm, acc, az, CB, A2, B2)
     async_copy.wait_group(0)
 
     # accumulators from units of 2^-24 (and of 1/16 for the odd nibbles) to units of 1: the
