@@ -1,21 +1,26 @@
 """Summarise the SASS page of an Nsight Compute report (``ncu --page source --print-source sass --csv``).
 
-    python bench/ncu_summary.py bench/results/ncu/h16-b32-l32768-c4r4.sass.csv [--top 25]
+    python bench/ncu_summary.py bench/results/ncu/h16-b32-l32768-c4r4.sass.csv [--top 25] [--phases]
 
 Prints the warp-stall samples by reason, by opcode, and the instructions that collect the most,
 with how often each ran; the loop of a kernel shows as the instructions executed most often.
+``--phases`` splits the exact kernel's page loop (the instructions run at least 90 % as often as the
+most frequent one) at its first wgmma, its first ``MUFU`` after that and the barrier after that: tile
+start, scores, softmax, P·V, each with its share of instructions and samples. Reads ``.csv.gz`` too.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import gzip
 import re
 from collections import Counter
 
 
 def load(path):
-    with open(path, newline="") as f:
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", newline="") as f:
         rows = list(csv.reader(f))
     start = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
     head = rows[start]
@@ -34,12 +39,43 @@ def opcode(src: str) -> str:
     return s.split()[0] if s else "?"
 
 
+def phases(rows) -> list[tuple[str, float, float, float, Counter]]:
+    """(phase, share of the loop's instructions, share of its samples, instructions per execution
+    of the loop, opcode counts per execution) for the exact kernel's page loop."""
+    most = max(num(r["Instructions Executed"]) for r in rows)
+    loop = [r for r in rows if num(r["Instructions Executed"]) >= 0.9 * most]
+    name, out = "tile start", {}
+    for r in loop:
+        op = opcode(r["Source"])
+        if name == "tile start" and op.startswith("HGMMA"):
+            name = "scores"
+        elif name == "scores" and op.startswith("MUFU"):
+            name = "softmax"
+        elif name == "softmax" and op.startswith("BAR"):
+            name = "P·V"
+        ins, smp, ops = out.setdefault(name, [0.0, 0.0, Counter()])
+        n = num(r["Instructions Executed"])
+        out[name][0] += n
+        out[name][1] += num(r["Warp Stall Sampling (All Samples)"])
+        ops[op.split(".")[0]] += n / most
+    ti = sum(v[0] for v in out.values())
+    ts = sum(v[1] for v in out.values())
+    return [(k, v[0] / ti, v[1] / ts, v[0] / most, v[2]) for k, v in out.items()]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("csv")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--phases", action="store_true", help="the exact kernel's page loop by phase")
     args = ap.parse_args(argv)
     rows = load(args.csv)
+    if args.phases:
+        print("phase: share of the loop's instructions, of its samples; instructions per loop iteration and warp")
+        for k, fi, fs, n, ops in phases(rows):
+            top = ", ".join(f"{o} {c:.0f}" for o, c in ops.most_common(5))
+            print(f"  {k:10s} {fi:6.1%} {fs:6.1%} {n:6.0f}  {top}")
+        return
     reasons = [k for k in rows[0] if k.startswith("stall_") and not k.endswith("(Not Issued)")]
     total = sum(num(r["Warp Stall Sampling (All Samples)"]) for r in rows)
     executed = sum(num(r["Instructions Executed"]) for r in rows)
