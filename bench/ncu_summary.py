@@ -53,11 +53,11 @@ def phases(rows) -> list[tuple[str, float, float, float, Counter]]:
             name = "softmax"
         elif name == "softmax" and op.startswith("BAR"):
             name = "P·V"
-        ins, smp, ops = out.setdefault(name, [0.0, 0.0, Counter()])
+        acc = out.setdefault(name, [0.0, 0.0, Counter()])
         n = num(r["Instructions Executed"])
-        out[name][0] += n
-        out[name][1] += num(r["Warp Stall Sampling (All Samples)"])
-        ops[op.split(".")[0]] += n / most
+        acc[0] += n
+        acc[1] += num(r["Warp Stall Sampling (All Samples)"])
+        acc[2][op.split(".")[0]] += n / most
     ti = sum(v[0] for v in out.values())
     ts = sum(v[1] for v in out.values())
     return [(k, v[0] / ti, v[1] / ts, v[0] / most, v[2]) for k, v in out.items()]
