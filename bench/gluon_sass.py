@@ -9,7 +9,7 @@
 
 Prints, per content width: registers, stack (spill) bytes, shared memory, and for each loop of
 the kernel its instruction count, its HGMMA (wgmma) and HMMA (mma.sync) counts, its local-memory
-accesses (``LDL``/``STL``: spills) and its ``BSSY`` count (divergent regions:
+accesses (``LDL``/``STL``: spills), its TMA (``UTMALDG``) and ``cp.async`` (``LDGSTS``) copies and its ``BSSY`` count (divergent regions:
 bench/NOTES.md, v16, found the page loop 4-6 % faster when ptxas compiles its cross-warp
 reductions predicated, with none). Uses the installed Triton's compiler and ``cuobjdump``; the
 H200 runs Triton 3.6, whose ``ptxas`` is the one the notes quote (other versions schedule
@@ -62,10 +62,15 @@ def compile_sass(bits: int, mma16: bool = False, exact: bool = False) -> tuple[s
         k, consts, warps = mma_decode._h16_decode_kernel, dict(SINK=4, RECENT=128, SPLIT=True, ABL=0), mma_decode.WARPS
     else:
         k, consts, warps = gluon_decode._h64_decode_kernel, dict(SINK=4, RECENT=128, SPLIT=True, C_BITS=bits), 8
+    descs = exact_decode.descriptor_blocks(bits) if exact else {}
     sig, attrs = {}, {}
     for i, n in enumerate(k.arg_names):
         if n in consts:
             sig[n] = "constexpr"
+        elif n in descs:  # a TMA descriptor over the pool's 16-bit words
+            block, layout = descs[n]
+            sig[n] = f"tensordesc<i16[{', '.join(map(str, block))}],{layout!r}>"
+            continue
         elif n in POINTERS:
             sig[n] = "*" + POINTERS[n]
         else:
@@ -144,16 +149,21 @@ def _sass(c) -> tuple[str, str, int]:
 
 
 def loops(sass: str) -> list[dict]:
-    """Each backward branch's body: instruction, HGMMA, HMMA, BSSY and local-memory (spill) access counts."""
+    """Each backward branch's body: instruction, HGMMA, HMMA, BSSY and local-memory (spill) access counts.
+    An mbarrier wait's out-of-line retry (``SYNCS.PHASECHK`` then a branch to itself and one back to the
+    wait) is not a loop of the kernel and is left out."""
     ins = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in INSTR.finditer(sass)]
     out = []
-    for addr, op, rest in ins:
+    for k, (addr, op, rest) in enumerate(ins):
         target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if any(o.startswith("SYNCS.PHASECHK") for _, o, _ in ins[max(k - 2, 0) : k]):
+            continue
         if target and int(target.group(1), 16) < addr:
             body = [o for a, o, _ in ins if int(target.group(1), 16) <= a <= addr]
             out.append(dict(instructions=len(body), hgmma=sum(o.startswith("HGMMA") for o in body),
                             hmma=sum(o.startswith("HMMA") for o in body), bssy=sum(o == "BSSY" for o in body),
-                            local=sum(o.startswith(("LDL", "STL")) for o in body)))  # fmt: skip
+                            local=sum(o.startswith(("LDL", "STL")) for o in body),
+                            tma=sum(o.startswith("UTMALDG") for o in body), cp_async=sum(o.startswith("LDGSTS") for o in body)))  # fmt: skip
     return out
 
 
@@ -191,7 +201,7 @@ def main() -> None:
         print(f"{'mma16 ' if args.mma16 else 'exact ' if args.exact else ''}C{bits}R4: {res} shared={shared} B")
         for i, loop in enumerate(loops(sass)):
             print(f"  loop {i}: {loop['instructions']} instructions, {loop['hgmma']} HGMMA, {loop['hmma']} HMMA, "
-                  f"{loop['bssy']} BSSY, {loop['local']} local")  # fmt: skip
+                  f"{loop['bssy']} BSSY, {loop['local']} local, {loop['tma']} TMA, {loop['cp_async']} cp.async")  # fmt: skip
 
 
 if __name__ == "__main__":

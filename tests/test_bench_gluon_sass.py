@@ -97,7 +97,8 @@ def test_register_fed_wgmma_score_probe_compiles_for_hopper():
 def test_exact_kernel_compiles_for_hopper_with_one_tile_per_loop_iteration():
     """The 16-head exact-dequantization kernel compiled for sm_90, C4R4 and C2R4: two programs'
     shared memory fit one SM, no spill in the page loop (a few bytes of stack outside it, where
-    the Triton version's register allocation puts them); the page loop issues one tile's products per iteration:
+    the Triton version's register allocation puts them); the page loop copies the next page with two TMA
+    copies and no cp.async, and issues one tile's products per iteration:
     9 groups x 4 wgmma for the scores (nibbles, or pairs of 2-bit codes) and 3 for their zero-point
     term (39 HGMMA), and per warp two groups of P·V, 4 nibbles x 2 n-blocks (or 8 codes x 1) x 4
     k-steps plus the zero column's 4 (72 HMMA); the protected rows' loop the 36 score wgmma and 64
@@ -108,8 +109,12 @@ def test_exact_kernel_compiles_for_hopper_with_one_tile_per_loop_iteration():
     for bits in (4, 2):
         head = re.search(rf"exact C{bits}R4: REG:(\d+) STACK:(\d+) shared=(\d+) B\n((?:  loop.*\n)+)", r.stdout)
         assert head and int(head.group(3)) <= 227 * 1024 // 2 and int(head.group(2)) <= 64, r.stdout
-        loops = re.findall(r"loop \d+: \d+ instructions, (\d+) HGMMA, (\d+) HMMA, \d+ BSSY, (\d+) local", head.group(4))
-        assert [tuple(map(int, t)) for t in loops][0] == (39, 72, 0), (bits, r.stdout)
+        loops = re.findall(
+            r"loop \d+: \d+ instructions, (\d+) HGMMA, (\d+) HMMA, \d+ BSSY, (\d+) local, (\d+) TMA, (\d+) cp.async",
+            head.group(4),
+        )
+        # the page loop: no spill, the next page in two TMA copies (content codes; RoPE codes and metadata)
+        assert [tuple(map(int, t)) for t in loops][0] == (39, 72, 0, 2, 0), (bits, r.stdout)
         assert [tuple(map(int, t))[:2] for t in loops] == [(39, 72), (36, 64)], (bits, r.stdout)
 
 

@@ -29,10 +29,12 @@ by 4^p), and P·V keeps one accumulator per code position (8 of 8 words instead 
 same 39 wgmma and 72 ``mma.sync`` per tile, on half the content bytes.
 
 Per 64-token page tile, in one warpgroup (4 warps) per program, two programs per SM (255
-registers and 83 KB of shared memory each at C4R4, 67 KB at C2R4):
+registers and 103 KB of shared memory each at C4R4, 79 KB at C2R4):
 
-- the page (codes, scales and zero-points) is copied to shared memory with ``cp.async`` one tile
-  ahead, and the page after it is prefetched into L2;
+- the page (codes, scales and zero-points) is copied to shared memory by the TMA two tiles ahead,
+  into one of three stages, in two boxes (the content codes with the 32-byte swizzle that keeps
+  ``ldmatrix`` free of bank conflicts; then the RoPE codes and the metadata), one thread issuing them
+  and an mbarrier per stage saying when they have landed (bench/NOTES.md v29);
 - scores: for each of the 9 groups (8 content, 1 RoPE), ``ldmatrix`` gives each thread its wgmma
   A fragment of 16-bit code words (4 channels each), one PTX block turns each word pair into four
   FP16 pairs (nibble j of each word: channel 4m + j), and four ``wgmma.m64n16k16`` (tokens on M,
@@ -70,20 +72,49 @@ on a Hopper GPU (:func:`applies`). No interpreter runs Gluon: the GPU tests cove
 
 from __future__ import annotations
 
+import weakref
+
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from quantmla.kernels.gluon_decode import _join8, _prot_valid, hopper_format
 from quantmla.kernels.mma_decode import _prefetch_page
 
 LOG2E = 1.4426950408889634
 WARPS = 4
-STAGES = gl.constexpr(2)
+STAGES = gl.constexpr(3)
 LAZY = gl.constexpr(4)  # the accumulators are rescaled when a score passes the running maximum by 2^LAZY (log2 units)
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared  # Triton 3.9 / 3.6
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # Triton 3.9 / 3.6
+# The page's shared-memory images, which its TMA copies write: code rows of 32 B (the content codes at
+# 4 bits, the RoPE codes) with the 32-byte swizzle, the same bytes as ``SwizzledSharedLayout(8, 4, 2)``
+# (16-byte chunk c of row r at c ^ ((r / 4) mod 2)), which the loads below read; 16 B rows (the content
+# codes at 2 bits) and the metadata unswizzled.
+_NEW_VIEW = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))  # Triton 3.9; 3.6 has _reinterpret
+
+
+@gluon.jit
+def _view(x, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+    """Shared memory ``x`` seen as ``dtype`` of ``shape`` in ``layout`` (the same bytes, from its start)."""
+    if _NEW_VIEW:
+        return x.reinterpret(dtype, shape, layout)
+    else:
+        return x._reinterpret(dtype, shape, layout)
+
+
+NV32 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2))
+NV0 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2))
+NV32_3 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=3))
+NV0_3 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=3))
 
 # One 32-bit register = two 16-bit code words (4 nibbles each, nibble j = channel 4m + j of its
 # word m) -> four FP16 pairs: nibbles 0 and 2 as n·2^-24, nibbles 1 and 3 as 16·n·2^-24 (subnormals,
@@ -199,36 +230,17 @@ LO2 = gl.constexpr(gl.BlockedLayout([1, 1, 1, 4], [1, 4, 4, 2], [4, 1, 1, 1], [3
 
 
 @gluon.jit
-def _copy_tile(cs, rs, ss, rss, zs, rzs, base, R_OFF: gl.constexpr, S_OFF: gl.constexpr, RS_OFF: gl.constexpr,
-               Z_OFF: gl.constexpr, RZ_OFF: gl.constexpr, CB: gl.constexpr):  # fmt: skip
-    """cp.async of one page (byte pointer ``base``) into a stage: content codes (512 rows of 16
-    words at 4 bits, 8 at 2: group-major, 64 tokens per group), RoPE codes (64 rows of 16 words),
-    content scales and zero-points (64 x 8) and the RoPE ones (64)."""
-    CPY: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])  # 16 B per thread
-    CPY2: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [4, 1], [1, 0])
-    W: gl.constexpr = 4 * CB  # content code words per row
-    M8: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0])
-    V1: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    V4: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
-    b16 = base.to(gl.pointer_type(gl.int16))
-    rr = gl.arange(0, 64, layout=gl.SliceLayout(1, CPY))
-    cc = gl.arange(0, 16, layout=gl.SliceLayout(0, CPY))
+def _copy_tile(dc, dm, cst, mst, bar, page, PAGE_BYTES: gl.constexpr, R_OFF: gl.constexpr, CB: gl.constexpr):
+    """The TMA copy of page ``page`` into a stage in two boxes, completing on ``bar``: the content codes
+    (512 rows of 16 words at 4 bits, with the 32-byte swizzle, or of 8 at 2; group-major, 64 tokens per
+    group) into ``cst``, and the 4 KB from the RoPE codes on (64 rows of 16 words, then the scales and
+    zero-points, content and RoPE, then the page's padding) into ``mst``, unswizzled."""
+    mbarrier.expect(bar, PAGE_BYTES)
     if CB == 4:
-        rc = gl.arange(0, 512, layout=gl.SliceLayout(1, CPY))
-        _async_load(cs, b16 + rc[:, None] * W + cc[None, :])
+        _tma_load(dc, [page * (PAGE_BYTES // 2048), 0, 0], bar, _view(cst, gl.int16, [8, 64, 16], NV32_3))
     else:
-        rc2 = gl.arange(0, 512, layout=gl.SliceLayout(1, CPY2))
-        cc2 = gl.arange(0, 8, layout=gl.SliceLayout(0, CPY2))
-        _async_load(cs, b16 + rc2[:, None] * W + cc2[None, :])
-    _async_load(rs, b16 + (R_OFF // 2) + rr[:, None] * 16 + cc[None, :])
-    tm = gl.arange(0, 64, layout=gl.SliceLayout(1, M8))
-    gm = gl.arange(0, 8, layout=gl.SliceLayout(0, M8))
-    _async_load(ss, b16 + (S_OFF // 2) + tm[:, None] * 8 + gm[None, :])
-    _async_load(zs, base + Z_OFF + tm[:, None] * 8 + gm[None, :])
-    t1 = gl.arange(0, 64, layout=V1)
-    _async_load(rss, (base + RS_OFF).to(gl.pointer_type(gl.float32)) + t1)
-    t4 = gl.arange(0, 64, layout=V4)
-    _async_load(rzs, base + RZ_OFF + t4)
+        _tma_load(dc, [page * (PAGE_BYTES // 4096), 0, 0], bar, _view(cst, gl.int16, [2, 256, 8], NV0_3))
+    _tma_load(dm, [page * (PAGE_BYTES // 32) + R_OFF // 32, 0], bar, mst)
 
 
 @gluon.jit
@@ -626,7 +638,7 @@ def _store_out(o_b, y, H, stride_oh, LOUT: gl.constexpr):
 
 
 @gluon.jit
-def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, POOL,
+def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, POOL, DC, DM,
                     H, stride_qb, stride_qh, stride_rb, stride_rh, stride_pb,
                     stride_ob, stride_oh, stride_os, stride_bt, tiles_per_split, qk_scale,
                     PAGE_BYTES: gl.constexpr, R_OFF: gl.constexpr, S_OFF: gl.constexpr, RS_OFF: gl.constexpr,
@@ -648,15 +660,18 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, POOL,
     QS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([16, 16], gl.float16)
     # content codes: 8 groups x 64 tokens, 16 words (4 bits, 32 B rows, swizzled) or 8 (2 bits, 16 B
     # rows: an 8 x 8 ldmatrix block is 128 contiguous bytes, without conflicts unswizzled)
+    # (written by the TMA in the NVMMA layouts, read through the swizzled ones: the same bytes)
+    # the page's content codes, and the 4 KB from its RoPE codes on: the RoPE codes (64 rows of 32 B),
+    # then from byte S_OFF − R_OFF the content scales (token, group) BF16, the RoPE scales, the content
+    # zero-points (token, group) and the RoPE ones
     if CB == 4:
-        cs = gl.allocate_shared_memory(gl.int16, [NS, 512, 16], SW)
+        cs = gl.allocate_shared_memory(gl.int16, [NS, 512, 16], NV32)
     else:
-        cs = gl.allocate_shared_memory(gl.int16, [NS, 512, 8], P2)
-    rs = gl.allocate_shared_memory(gl.int16, [NS, 64, 16], SW)  # RoPE codes
-    ss = gl.allocate_shared_memory(gl.bfloat16, [NS, 64, 8], P2)  # content scales (token, group)
-    zs = gl.allocate_shared_memory(gl.uint8, [NS, 64, 8], P2)  # content zero-points
-    rss = gl.allocate_shared_memory(gl.float32, [NS, 64], P1)  # RoPE scales
-    rzs = gl.allocate_shared_memory(gl.uint8, [NS, 64], P1)  # RoPE zero-points
+        cs = gl.allocate_shared_memory(gl.int16, [NS, 512, 8], NV0)
+    ms = gl.allocate_shared_memory(gl.int16, [NS, 128, 16], NV0)
+    bars = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())  # one per stage
+    for i in gl.static_range(NS):
+        mbarrier.init(bars.index(i), count=1)
     qc = gl.allocate_shared_memory(gl.float16, [32, 16, 16], QS)  # score B tiles, content: (8j + g) x (head, word)
     qr = gl.allocate_shared_memory(gl.float16, [4, 16, 16], QS)  # score B tiles, RoPE: j x (head, word)
     zb = gl.allocate_shared_memory(gl.float16, [2, 16, 16], QS)  # zero-point term B: hi, lo x (head, group)
@@ -681,10 +696,8 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, POOL,
     # the first tiles' copies under the queries' preparation
     for i in gl.static_range(NS - 1):
         if t_lo + i < t_hi:
-            page = gl.load(bt_row + t_lo + i).to(gl.int64)
-            _copy_tile(cs.index(i), rs.index(i), ss.index(i), rss.index(i), zs.index(i), rzs.index(i),
-                       POOL + page * PAGE_BYTES, R_OFF, S_OFF, RS_OFF, Z_OFF, RZ_OFF, CB)  # fmt: skip
-        async_copy.commit_group()
+            page = gl.load(bt_row + t_lo + i)
+            _copy_tile(DC, DM, cs.index(i), ms.index(i), bars.index(i), page, PAGE_BYTES, R_OFF, CB)
     kq = _queries(Q + b * stride_qb, stride_qh, QPE + b * stride_rb, stride_rh, H, qc, qr, zb, CB)
     # per head: the scores in log2 units are c_h · (products), c_h = tau·log2(e)·2^(24 − kq)
     ch = gl.convert_layout(qk_scale * ((151 - kq) << 23).to(gl.float32, bitcast=True), COLS)
@@ -703,9 +716,10 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, POOL,
         acc = (a0, a0, a0, a0, a0, a0, a0, a0)
     az = gl.zeros([8, 16, 8], gl.float32, M2)
 
-    # block-table entries two and three tiles ahead: the next copy's page and the next L2 prefetch's
-    pn = gl.load(bt_row + gl.minimum(t_lo + NS - 1, t_hi - 1), mask=t_lo < t_hi, other=0).to(gl.int64)
-    pp = gl.load(bt_row + gl.minimum(t_lo + NS, t_hi - 1), mask=t_lo < t_hi, other=0).to(gl.int64)
+    # block-table entries NS − 1 and NS tiles ahead: the next copy's page, and the one after it (read
+    # an iteration early)
+    pn = gl.load(bt_row + gl.minimum(t_lo + NS - 1, t_hi - 1), mask=t_lo < t_hi, other=0)
+    pp = gl.load(bt_row + gl.minimum(t_lo + NS, t_hi - 1), mask=t_lo < t_hi, other=0)
     tid = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0]))
     # the protected rows (sink, then the recent ring) are this request's work tiles n_tiles, …: the
     # ones of this split, read after its page tiles, go to L2 now
@@ -717,43 +731,50 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, POOL,
             _prefetch_page(PROT + b * stride_pb + p_lo * 576, tid, (gl.minimum(p_hi, SINK + RECENT) - p_lo) * row_bytes)
     for t in range(t_lo, t_hi):
         it = t - t_lo
-        async_copy.wait_group(NS - 2)
-        _barrier()  # tile t in shared memory for every thread; every warp done with tile t - 1
+        _barrier()  # every warp done with tile t - 1: its stage and the P buffer can be written
         if t + NS - 1 < t_hi:
             sn = (it + NS - 1) % NS
-            _copy_tile(cs.index(sn), rs.index(sn), ss.index(sn), rss.index(sn), zs.index(sn), rzs.index(sn),
-                       POOL + pn * PAGE_BYTES, R_OFF, S_OFF, RS_OFF, Z_OFF, RZ_OFF, CB)  # fmt: skip
-        async_copy.commit_group()
-        if t + NS < t_hi:  # the page after the one on its way, on its way to L2
-            _prefetch_page(POOL + pp * PAGE_BYTES, tid, PAGE_BYTES)
+            _copy_tile(DC, DM, cs.index(sn), ms.index(sn), bars.index(sn), pn, PAGE_BYTES, R_OFF, CB)
         pn = pp
-        pp = gl.load(bt_row + gl.minimum(t + NS + 1, t_hi - 1)).to(gl.int64)
+        pp = gl.load(bt_row + gl.minimum(t + NS + 1, t_hi - 1))
         st = it % NS
+        mbarrier.wait(bars.index(st), (it // NS) & 1)  # tile t in shared memory
+        if CB == 4:
+            cst = _view(cs.index(st), gl.int16, [512, 16], SW)
+        else:
+            cst = _view(cs.index(st), gl.int16, [512, 8], P2)
+        mt = ms.index(st)
+        rst = _view(mt.slice(0, 64), gl.int16, [64, 16], P2)
+        # the metadata, 2 KB from the content scales (:func:`constexprs` checks these offsets: each region
+        # at a multiple of its size, as slices of shared memory must be)
+        mb = _view(mt.slice(64, 64), gl.uint8, [2048], P1)
+        sst = _view(mb.slice(0, 1024), gl.bfloat16, [64, 8], P2)
+        zst = _view(mb.slice(Z_OFF - S_OFF, 512), gl.uint8, [64, 8], P2)
+        rsst = _view(mb.slice(RS_OFF - S_OFF, 256), gl.float32, [64], P1)
+        rzst = _view(mb.slice(RZ_OFF - S_OFF, 64), gl.uint8, [64], P1)
         tok = t * BN + rows
         valid = (tok >= SINK) & (tok < low_hi)
         # scales of rows that hold no page token read as 0 (their slots may hold anything): their P'
         # is then 0, not 0 times a stray NaN
         v8 = gl.convert_layout(valid, gl.SliceLayout(1, L8), assert_trivial=True)[:, None]
-        s8 = _cols8(gl.where(v8, ss.index(st).load(L8).to(gl.float32), 0.0), ROWS)
-        sr = gl.where(valid, rss.index(st).load(ROWS), 0.0)
+        s8 = _cols8(gl.where(v8, sst.load(L8).to(gl.float32), 0.0), ROWS)
+        sr = gl.where(valid, rsst.load(ROWS), 0.0)
         # the zero-point term's A (s·z per token and group, RoPE in column 8) and the zero-point
         # column tile of P·V (z·2^-24 in column 0 of each group's 8)
-        za = zs.index(st).load(LA8)
+        za = zst.load(LA8)
         va = gl.convert_layout(valid, gl.SliceLayout(1, LA8), assert_trivial=True)[:, None]
-        wr = gl.convert_layout(
-            sr * rzs.index(st).load(ROWS).to(gl.float32), gl.SliceLayout(1, LA8), assert_trivial=True
-        )
-        wc = gl.where(va, ss.index(st).load(LA8).to(gl.float32), 0.0) * za.to(gl.float32)
+        wr = gl.convert_layout(sr * rzst.load(ROWS).to(gl.float32), gl.SliceLayout(1, LA8), assert_trivial=True)
+        wc = gl.where(va, sst.load(LA8).to(gl.float32), 0.0) * za.to(gl.float32)
         wz = gl.convert_layout(_cols16(wc, gl.where(c8 == 0, wr[:, None], 0.0)), AL, assert_trivial=True)
         zc = gl.convert_layout(za.to(gl.int16), gl.SliceLayout(2, L3Z), assert_trivial=True)[:, :, None]
         ztm.permute((1, 0, 2)).store(gl.where(n8 == 0, zc, 0).to(gl.float16, bitcast=True))
         if ABL == 2:  # timing only: no score products
             x = gl.zeros([64, 16], gl.float32, ACC)
         else:
-            xs = _tile_words(cs.index(st), rs.index(st), CB, AL)
+            xs = _tile_words(cst, rst, CB, AL)
             x = _scores(xs, qc, qr, zb, s8, sr, wz, CB, AL, ACC) * ch[None, :]
         # P·V's code words while the softmax runs (the tile is in shared memory since the loop's barrier)
-        words = _pv_words(cs.index(st), CB, B2)
+        words = _pv_words(cst, CB, B2)
         if CHECK_LATE:
             # optimistic: P against the running maximum, each warp's overshoot published with P';
             # the rare tile that passes it by more than 2^LAZY is redone after the barrier
@@ -775,7 +796,8 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, POOL,
             _barrier()  # P' and the zero-point tile visible to every warp
         if ABL != 1:  # ablation 1 (timing only): no P·V
             acc, az = _pv(psm, words, ztm, acc, az, CB, A2, B2)
-    async_copy.wait_group(0)
+    for i in gl.static_range(NS):
+        mbarrier.invalidate(bars.index(i))
 
     # accumulators from units of 2^-24 (and of 1/16 for the odd nibbles) to units of 1: the
     # protected rows below add into them in FP16 units
@@ -847,7 +869,7 @@ def decode(
     fmt = layer.fmt
     prot = layer.prot
     _exact16_kernel[(splits, B)](
-        q, qpe, o, lse, block_table, lengths, prot, layer.pool,
+        q, qpe, o, lse, block_table, lengths, prot, layer.pool, *descriptors(layer.pool, fmt.content_bits),
         H, q.stride(0), q.stride(1), qpe.stride(0), qpe.stride(1), prot.stride(0),
         o.stride(0), o.stride(1), o.stride(2), block_table.stride(0), per, tau * LOG2E,
         **constexprs(fmt, layer.sink, layer.recent, splits > 1, late_check, ablate),
@@ -855,12 +877,54 @@ def decode(
     )  # fmt: skip
 
 
+def descriptor_blocks(cb: int) -> dict:
+    """The block shape (rows, 16-bit words) and shared layout of the kernel's three TMA descriptors
+    over a pool of ``cb``-bit content pages: ``DC`` content codes (two boxes per page), ``DR`` RoPE
+    codes, ``DM`` the metadata."""
+    content = ([8, 64, 16], NV32_3.value) if cb == 4 else ([2, 256, 8], NV0_3.value)
+    return dict(DC=content, DM=([128, 16], NV0.value))
+
+
+_DESCRIPTORS: dict = {}  # id(pool) -> (weak reference to the pool, content bits, descriptors)
+
+
+def descriptors(pool: torch.Tensor, cb: int) -> tuple:
+    """The TMA descriptors of :func:`descriptor_blocks` over ``pool`` (pages x bytes, uint8), viewed as
+    16-bit words: (pages x 8 or 2 boxes, rows, words) for ``DC``, rows of 32 B for ``DM``. Kept per pool
+    tensor; the entries of pools that are gone (a pool that grows is a new tensor) are dropped at the
+    next new one."""
+    hit = _DESCRIPTORS.get(id(pool))
+    if hit is not None and hit[0]() is pool and hit[1] == cb:
+        return hit[2]
+    for k in [k for k, v in _DESCRIPTORS.items() if v[0]() is None]:
+        del _DESCRIPTORS[k]
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    words = pool.view(torch.int16)
+    out = []
+    for block, layout in descriptor_blocks(cb).values():
+        rows = words.view(-1, *block[1:])
+        out.append(TensorDescriptor(rows, list(rows.shape), list(rows.stride()), block, layout))
+    _DESCRIPTORS[id(pool)] = (weakref.ref(pool), cb, tuple(out))
+    return tuple(out)
+
+
 def constexprs(fmt, sink: int, recent: int, split: bool, late_check: bool = True, ablate: int = 0) -> dict:
     """The kernel's compile-time arguments for pages of ``fmt`` (also what ``bench/gluon_sass.py
     --exact`` compiles for sm_90 without a GPU)."""
     regions = dict(R_OFF="R_codes", S_OFF="C_scale", RS_OFF="R_scale", Z_OFF="C_zero", RZ_OFF="R_zero")
+    off = {k: fmt.regions[n].offset for k, n in regions.items()}
+    # the page's two TMA boxes: 512 rows of content codes, then 4 KB from the RoPE codes (2 KB of them,
+    # then the metadata, each region at a multiple of its size from the first)
+    meta = {"S_OFF": 0, "Z_OFF": 1024, "RS_OFF": 1536, "RZ_OFF": 1792}
+    if (off["R_OFF"], off["S_OFF"] - off["R_OFF"], fmt.page_bytes - off["R_OFF"]) != (
+        512 * 8 * fmt.content_bits,
+        2048,
+        4096,
+    ) or {k: off[k] - off["S_OFF"] for k in meta} != meta:
+        raise ValueError(f"the exact decode kernel does not read pages laid out as {fmt.regions}")
     return dict(
-        PAGE_BYTES=fmt.page_bytes, **{k: fmt.regions[n].offset for k, n in regions.items()},
+        PAGE_BYTES=fmt.page_bytes, **off,
         SINK=sink, RECENT=recent, SPLIT=split, CHECK_LATE=late_check, ABL=ablate, CB=fmt.content_bits,
     )  # fmt: skip
 

@@ -8,8 +8,8 @@ metadata after (the paper's kernel keeps them in separate buffers)::
     C codes    64 × d_c·w_C/8  B   (w = container bits: 2 → 2, 3 and 4 → 4, 8 → 8)
     K_P codes  64 × d_r·w_R/8  B
     C scales   64 × d_c/g × 2  B   (BF16)
-    K_P scales 64 × d_r/g × 4  B   (FP32)
     C zeros    64 × d_c/g      B   (uint8)
+    K_P scales 64 × d_r/g × 4  B   (FP32)
     K_P zeros  64 × d_r/g      B   (uint8)
 
 A path kept at 16 bits stores its rows in the cache dtype instead of codes and metadata
@@ -116,13 +116,13 @@ class PageFormat(CxRy):
                 add(f"{p}_rows", d, self.dtype)
             else:
                 add(f"{p}_codes", d * CONTAINER_BITS[bits] // 8, torch.uint8)
+        # metadata by path, each region at a multiple of its size at d_c 512, d_r 64, group 64 (1024, 512,
+        # 256 and 64 B from the first: a kernel can view each within one copy of them all)
         if self.content_bits < 16:
             add("C_scale", self.d_c // self.group, torch.bfloat16)
-        if self.rope_bits < 16:
-            add("R_scale", self.d_r // self.group, torch.float32)
-        if self.content_bits < 16:
             add("C_zero", self.d_c // self.group, torch.uint8)
         if self.rope_bits < 16:
+            add("R_scale", self.d_r // self.group, torch.float32)
             add("R_zero", self.d_r // self.group, torch.uint8)
         object.__setattr__(self, "regions", regions)
         object.__setattr__(self, "page_bytes", -(-off // PAGE_ALIGN) * PAGE_ALIGN)
