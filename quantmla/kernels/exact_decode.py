@@ -59,10 +59,10 @@ been brought from the codes' 2^-24 units to units of 1. Splits and the LSE merge
 kernel's. Range: P <= 2^LAZY and P' = P·s in FP16 take content scales below 4,000 (group ranges
 below 60,000 at 4 bits, 12,000 at 2).
 
-Measured on the H200 (bench/NOTES.md v24-v28; sweep ``decode-20261202-080645``): at 16 heads,
-batch >= 32 and 8K tokens or more, C4R4 at 1.52-1.82x the speed of C16R16 and C2R4 at 1.61-1.92x,
-where the default kernels run them at 0.90-0.97x and 0.92-1.00x; 1.30x and 1.40x at batch 1 and
-128K; slower than C16R16 at batch 1 and short contexts (0.81-0.83x at 4K), where each split holds
+Measured on the H200 (bench/NOTES.md v24-v29; sweep ``decode-20261202-151459``): at 16 heads,
+batch >= 32 and 8K tokens or more, C4R4 at 1.58-1.92x the speed of C16R16 and C2R4 at 1.67-2.11x,
+where the default kernels run them at 0.91-0.99x and 0.94-1.01x; 1.37x and 1.43x at batch 1 and
+128K; slower than C16R16 at batch 1 and short contexts (0.78-0.79x at 4K), where each split holds
 one tile. C2R4's loop issues 4 % fewer instructions than C4R4's, with the same unpacking per code.
 
 Takes C4R4 or C2R4 in a BF16 cache (group 64, d_c 512, d_r 64, protection buffers on) for at most 16 heads
