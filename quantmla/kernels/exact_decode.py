@@ -95,10 +95,6 @@ STAGES = gl.constexpr(3)
 LAZY = gl.constexpr(4)  # the accumulators are rescaled when a score passes the running maximum by 2^LAZY (log2 units)
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # Triton 3.9 / 3.6
-# The page's shared-memory images, which its TMA copies write: code rows of 32 B (the content codes at
-# 4 bits, the RoPE codes) with the 32-byte swizzle, the same bytes as ``SwizzledSharedLayout(8, 4, 2)``
-# (16-byte chunk c of row r at c ^ ((r / 4) mod 2)), which the loads below read; 16 B rows (the content
-# codes at 2 bits) and the metadata unswizzled.
 _NEW_VIEW = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))  # Triton 3.9; 3.6 has _reinterpret
 
 
@@ -111,6 +107,9 @@ def _view(x, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
         return x._reinterpret(dtype, shape, layout)
 
 
+# The layouts the page's TMA copies write: the content codes at 4 bits (rows of 32 B) with the 32-byte
+# swizzle, the same bytes as the ``SwizzledSharedLayout(8, 4, 2)`` the loads read (16-byte chunk c of
+# row r at c ^ ((r / 4) mod 2)); at 2 bits (rows of 16 B), and the RoPE codes and metadata, unswizzled.
 NV32 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2))
 NV0 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2))
 NV32_3 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=3))
@@ -658,12 +657,11 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, POOL, DC, DM,
     P2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
     P1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
     QS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([16, 16], gl.float16)
-    # content codes: 8 groups x 64 tokens, 16 words (4 bits, 32 B rows, swizzled) or 8 (2 bits, 16 B
-    # rows: an 8 x 8 ldmatrix block is 128 contiguous bytes, without conflicts unswizzled)
-    # (written by the TMA in the NVMMA layouts, read through the swizzled ones: the same bytes)
-    # the page's content codes, and the 4 KB from its RoPE codes on: the RoPE codes (64 rows of 32 B),
-    # then from byte S_OFF − R_OFF the content scales (token, group) BF16, the RoPE scales, the content
-    # zero-points (token, group) and the RoPE ones
+    # per stage: the content codes, 8 groups x 64 tokens, 16 words (4 bits, 32 B rows, swizzled) or 8
+    # (2 bits, 16 B rows: an 8 x 8 ldmatrix block is 128 contiguous bytes, without conflicts
+    # unswizzled), written by the TMA in the NVMMA layouts and read through the swizzled ones (the same
+    # bytes); and the 4 KB from the RoPE codes on: those codes (64 rows of 32 B), then from byte
+    # S_OFF − R_OFF the content scales (token, group) BF16 and zero-points, the RoPE scales and zero-points
     if CB == 4:
         cs = gl.allocate_shared_memory(gl.int16, [NS, 512, 16], NV32)
     else:
@@ -878,9 +876,9 @@ def decode(
 
 
 def descriptor_blocks(cb: int) -> dict:
-    """The block shape (rows, 16-bit words) and shared layout of the kernel's three TMA descriptors
-    over a pool of ``cb``-bit content pages: ``DC`` content codes (two boxes per page), ``DR`` RoPE
-    codes, ``DM`` the metadata."""
+    """The block shape (in 16-bit words) and shared layout of the kernel's two TMA descriptors over a
+    pool of ``cb``-bit content pages: ``DC`` the content codes, ``DM`` the 4 KB from the RoPE codes on
+    (those codes and the metadata)."""
     content = ([8, 64, 16], NV32_3.value) if cb == 4 else ([2, 256, 8], NV0_3.value)
     return dict(DC=content, DM=([128, 16], NV0.value))
 
@@ -917,11 +915,8 @@ def constexprs(fmt, sink: int, recent: int, split: bool, late_check: bool = True
     # the page's two TMA boxes: 512 rows of content codes, then 4 KB from the RoPE codes (2 KB of them,
     # then the metadata, each region at a multiple of its size from the first)
     meta = {"S_OFF": 0, "Z_OFF": 1024, "RS_OFF": 1536, "RZ_OFF": 1792}
-    if (off["R_OFF"], off["S_OFF"] - off["R_OFF"], fmt.page_bytes - off["R_OFF"]) != (
-        512 * 8 * fmt.content_bits,
-        2048,
-        4096,
-    ) or {k: off[k] - off["S_OFF"] for k in meta} != meta:
+    boxes = (off["R_OFF"], off["S_OFF"] - off["R_OFF"], fmt.page_bytes - off["R_OFF"])
+    if boxes != (512 * 8 * fmt.content_bits, 2048, 4096) or {k: off[k] - off["S_OFF"] for k in meta} != meta:
         raise ValueError(f"the exact decode kernel does not read pages laid out as {fmt.regions}")
     return dict(
         PAGE_BYTES=fmt.page_bytes, **off,
