@@ -48,6 +48,23 @@ def test_codes_are_group_major_in_a_page(cb, per_group):
     assert layer.views["R_codes"].shape == (2, 64, 1, 32)  # a single group: rows as before
 
 
+@pytest.mark.parametrize("cb", [2, 3, 4, 8])
+def test_metadata_regions_each_lie_at_a_multiple_of_their_size(cb):
+    """At d_c 512, d_r 64, group 64 the metadata follows the codes as content scales, content zero-points,
+    RoPE scales, RoPE zero-points, each at a multiple of its (power-of-two) size from the first: a kernel
+    copying all of it at once can view every region as an aligned slice of shared memory (the exact
+    decode kernel does)."""
+    fmt = PageFormat(cb, 4)
+    names = ["C_scale", "C_zero", "R_scale", "R_zero"]
+    regions = [fmt.regions[n] for n in names]
+    assert list(fmt.regions)[2:] == names
+    base = regions[0].offset
+    assert [r.nbytes for r in regions] == [1024, 512, 256, 64]
+    for r in regions:
+        assert (r.offset - base) % r.nbytes == 0, (r.name, r.offset - base)
+    assert regions[-1].offset + 64 <= fmt.page_bytes
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
