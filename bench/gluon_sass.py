@@ -156,9 +156,8 @@ def loops(sass: str) -> list[dict]:
     out = []
     for k, (addr, op, rest) in enumerate(ins):
         target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
-        if any(o.startswith("SYNCS.PHASECHK") for _, o, _ in ins[max(k - 2, 0) : k]):
-            continue
-        if target and int(target.group(1), 16) < addr:
+        retry = any(o.startswith("SYNCS.PHASECHK") for _, o, _ in ins[max(k - 2, 0) : k])
+        if target and int(target.group(1), 16) < addr and not retry:
             body = [o for a, o, _ in ins if int(target.group(1), 16) <= a <= addr]
             out.append(dict(instructions=len(body), hgmma=sum(o.startswith("HGMMA") for o in body),
                             hmma=sum(o.startswith("HMMA") for o in body), bssy=sum(o == "BSSY" for o in body),
