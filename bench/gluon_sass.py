@@ -149,7 +149,8 @@ def _sass(c) -> tuple[str, str, int]:
 
 
 def loops(sass: str) -> list[dict]:
-    """Each backward branch's body: instruction, HGMMA, HMMA, BSSY and local-memory (spill) access counts.
+    """Each backward branch's body: instruction, HGMMA, HMMA, BSSY and local-memory (spill) access counts,
+    its TMA copies and the CTA barriers (``BAR.SYNC``) between its first and last.
     An mbarrier wait's out-of-line retry (``SYNCS.PHASECHK`` then a branch to itself and one back to the
     wait) is not a loop of the kernel and is left out."""
     ins = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in INSTR.finditer(sass)]
@@ -159,10 +160,13 @@ def loops(sass: str) -> list[dict]:
         retry = any(o.startswith("SYNCS.PHASECHK") for _, o, _ in ins[max(k - 2, 0) : k])
         if target and int(target.group(1), 16) < addr and not retry:
             body = [o for a, o, _ in ins if int(target.group(1), 16) <= a <= addr]
+            copies = [i for i, o in enumerate(body) if o.startswith("UTMALDG")]
+            between = body[copies[0] : copies[-1]] if copies else []
             out.append(dict(instructions=len(body), hgmma=sum(o.startswith("HGMMA") for o in body),
                             hmma=sum(o.startswith("HMMA") for o in body), bssy=sum(o == "BSSY" for o in body),
                             local=sum(o.startswith(("LDL", "STL")) for o in body),
-                            tma=sum(o.startswith("UTMALDG") for o in body), cp_async=sum(o.startswith("LDGSTS") for o in body)))  # fmt: skip
+                            tma=len(copies), tma_bars=sum(o.startswith("BAR.SYNC") for o in between),
+                            cp_async=sum(o.startswith("LDGSTS") for o in body)))  # fmt: skip
     return out
 
 
@@ -200,7 +204,8 @@ def main() -> None:
         print(f"{'mma16 ' if args.mma16 else 'exact ' if args.exact else ''}C{bits}R4: {res} shared={shared} B")
         for i, loop in enumerate(loops(sass)):
             print(f"  loop {i}: {loop['instructions']} instructions, {loop['hgmma']} HGMMA, {loop['hmma']} HMMA, "
-                  f"{loop['bssy']} BSSY, {loop['local']} local, {loop['tma']} TMA, {loop['cp_async']} cp.async")  # fmt: skip
+                  f"{loop['bssy']} BSSY, {loop['local']} local, {loop['tma']} TMA ({loop['tma_bars']} barriers between), "
+                  f"{loop['cp_async']} cp.async")  # fmt: skip
 
 
 if __name__ == "__main__":

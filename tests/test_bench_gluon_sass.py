@@ -110,7 +110,8 @@ def test_exact_kernel_compiles_for_hopper_with_one_tile_per_loop_iteration():
         head = re.search(rf"exact C{bits}R4: REG:(\d+) STACK:(\d+) shared=(\d+) B\n((?:  loop.*\n)+)", r.stdout)
         assert head and int(head.group(3)) <= 227 * 1024 // 2 and int(head.group(2)) <= 64, r.stdout
         loops = re.findall(
-            r"loop \d+: \d+ instructions, (\d+) HGMMA, (\d+) HMMA, \d+ BSSY, (\d+) local, (\d+) TMA, (\d+) cp.async",
+            r"loop \d+: \d+ instructions, (\d+) HGMMA, (\d+) HMMA, \d+ BSSY, (\d+) local, (\d+) TMA \(\d+ barriers between\), "
+            r"(\d+) cp.async",
             head.group(4),
         )
         # the page loop: no spill, the next page in two TMA copies (content codes; RoPE codes and metadata)

@@ -34,7 +34,7 @@ registers and 103 KB of shared memory each at C4R4, 79 KB at C2R4):
 - the page (codes, scales and zero-points) is copied to shared memory by the TMA two tiles ahead,
   into one of three stages, in two boxes (the content codes with the 32-byte swizzle that keeps
   ``ldmatrix`` free of bank conflicts; then the RoPE codes and the metadata), one thread issuing them
-  and an mbarrier per stage saying when they have landed (bench/NOTES.md v29);
+  and an mbarrier per stage and box saying when they have landed (bench/NOTES.md v29-v30);
 - scores: for each of the 9 groups (8 content, 1 RoPE), ``ldmatrix`` gives each thread its wgmma
   A fragment of 16-bit code words (4 channels each), one PTX block turns each word pair into four
   FP16 pairs (nibble j of each word: channel 4m + j), and four ``wgmma.m64n16k16`` (tokens on M,
@@ -59,10 +59,10 @@ been brought from the codes' 2^-24 units to units of 1. Splits and the LSE merge
 kernel's. Range: P <= 2^LAZY and P' = P·s in FP16 take content scales below 4,000 (group ranges
 below 60,000 at 4 bits, 12,000 at 2).
 
-Measured on the H200 (bench/NOTES.md v24-v29; sweep ``decode-20261202-151459``): at 16 heads,
-batch >= 32 and 8K tokens or more, C4R4 at 1.58-1.92x the speed of C16R16 and C2R4 at 1.67-2.11x,
-where the default kernels run them at 0.91-0.99x and 0.94-1.01x; 1.37x and 1.43x at batch 1 and
-128K; slower than C16R16 at batch 1 and short contexts (0.78-0.79x at 4K), where each split holds
+Measured on the H200 (bench/NOTES.md v24-v30; sweep ``decode-20261202-184707``): at 16 heads,
+batch >= 32 and 8K tokens or more, C4R4 at 1.56-1.86x the speed of C16R16 and C2R4 at 1.64-2.01x,
+where the default kernels run them at 0.89-0.98x and 0.90-1.00x; 1.35x and 1.45x at batch 1 and
+128K; slower than C16R16 at batch 1 and short contexts (0.80x at 4K), where each split holds
 one tile. C2R4's loop issues 4 % fewer instructions than C4R4's, with the same unpacking per code.
 
 Takes C4R4 or C2R4 in a BF16 cache (group 64, d_c 512, d_r 64, protection buffers on) for at most 16 heads
@@ -229,17 +229,20 @@ LO2 = gl.constexpr(gl.BlockedLayout([1, 1, 1, 4], [1, 4, 4, 2], [4, 1, 1, 1], [3
 
 
 @gluon.jit
-def _copy_tile(dc, dm, cst, mst, bar, page, PAGE_BYTES: gl.constexpr, R_OFF: gl.constexpr, CB: gl.constexpr):
-    """The TMA copy of page ``page`` into a stage in two boxes, completing on ``bar``: the content codes
-    (512 rows of 16 words at 4 bits, with the 32-byte swizzle, or of 8 at 2; group-major, 64 tokens per
-    group) into ``cst``, and the 4 KB from the RoPE codes on (64 rows of 16 words, then the scales and
-    zero-points, content and RoPE, then the page's padding) into ``mst``, unswizzled."""
-    mbarrier.expect(bar, PAGE_BYTES)
+def _copy_tile(dc, dm, cst, mst, bc, bm, page, PAGE_BYTES: gl.constexpr, R_OFF: gl.constexpr, CB: gl.constexpr):
+    """The TMA copy of page ``page`` into a stage in two boxes: the content codes (512 rows of 16 words at
+    4 bits, with the 32-byte swizzle, or of 8 at 2; group-major, 64 tokens per group) into ``cst``,
+    completing on ``bc``, and the 4 KB from the RoPE codes on (64 rows of 16 words, then the scales and
+    zero-points, content and RoPE, then the page's padding) into ``mst``, unswizzled, completing on
+    ``bm``. The two mbarriers are separate allocations: Triton 3.6 puts a CTA barrier between two
+    operations on one allocation, and so only between the expects and the copies here."""
+    mbarrier.expect(bc, R_OFF)
+    mbarrier.expect(bm, PAGE_BYTES - R_OFF)
     if CB == 4:
-        _tma_load(dc, [page * (PAGE_BYTES // 2048), 0, 0], bar, _view(cst, gl.int16, [8, 64, 16], NV32_3))
+        _tma_load(dc, [page * (PAGE_BYTES // 2048), 0, 0], bc, _view(cst, gl.int16, [8, 64, 16], NV32_3))
     else:
-        _tma_load(dc, [page * (PAGE_BYTES // 4096), 0, 0], bar, _view(cst, gl.int16, [2, 256, 8], NV0_3))
-    _tma_load(dm, [page * (PAGE_BYTES // 32) + R_OFF // 32, 0], bar, mst)
+        _tma_load(dc, [page * (PAGE_BYTES // 4096), 0, 0], bc, _view(cst, gl.int16, [2, 256, 8], NV0_3))
+    _tma_load(dm, [page * (PAGE_BYTES // 32) + R_OFF // 32, 0], bm, mst)
 
 
 @gluon.jit
@@ -637,7 +640,7 @@ def _store_out(o_b, y, H, stride_oh, LOUT: gl.constexpr):
 
 
 @gluon.jit
-def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, POOL, DC, DM,
+def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, DC, DM,
                     H, stride_qb, stride_qh, stride_rb, stride_rh, stride_pb,
                     stride_ob, stride_oh, stride_os, stride_bt, tiles_per_split, qk_scale,
                     PAGE_BYTES: gl.constexpr, R_OFF: gl.constexpr, S_OFF: gl.constexpr, RS_OFF: gl.constexpr,
@@ -667,9 +670,12 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, POOL, DC, DM,
     else:
         cs = gl.allocate_shared_memory(gl.int16, [NS, 512, 8], NV0)
     ms = gl.allocate_shared_memory(gl.int16, [NS, 128, 16], NV0)
-    bars = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())  # one per stage
+    # one mbarrier per stage and box (content codes; RoPE codes and metadata)
+    bc = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    bm = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NS):
-        mbarrier.init(bars.index(i), count=1)
+        mbarrier.init(bc.index(i), count=1)
+        mbarrier.init(bm.index(i), count=1)
     qc = gl.allocate_shared_memory(gl.float16, [32, 16, 16], QS)  # score B tiles, content: (8j + g) x (head, word)
     qr = gl.allocate_shared_memory(gl.float16, [4, 16, 16], QS)  # score B tiles, RoPE: j x (head, word)
     zb = gl.allocate_shared_memory(gl.float16, [2, 16, 16], QS)  # zero-point term B: hi, lo x (head, group)
@@ -695,7 +701,7 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, POOL, DC, DM,
     for i in gl.static_range(NS - 1):
         if t_lo + i < t_hi:
             page = gl.load(bt_row + t_lo + i)
-            _copy_tile(DC, DM, cs.index(i), ms.index(i), bars.index(i), page, PAGE_BYTES, R_OFF, CB)
+            _copy_tile(DC, DM, cs.index(i), ms.index(i), bc.index(i), bm.index(i), page, PAGE_BYTES, R_OFF, CB)
     kq = _queries(Q + b * stride_qb, stride_qh, QPE + b * stride_rb, stride_rh, H, qc, qr, zb, CB)
     # per head: the scores in log2 units are c_h · (products), c_h = tau·log2(e)·2^(24 − kq)
     ch = gl.convert_layout(qk_scale * ((151 - kq) << 23).to(gl.float32, bitcast=True), COLS)
@@ -732,11 +738,12 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, POOL, DC, DM,
         _barrier()  # every warp done with tile t - 1: its stage and the P buffer can be written
         if t + NS - 1 < t_hi:
             sn = (it + NS - 1) % NS
-            _copy_tile(DC, DM, cs.index(sn), ms.index(sn), bars.index(sn), pn, PAGE_BYTES, R_OFF, CB)
+            _copy_tile(DC, DM, cs.index(sn), ms.index(sn), bc.index(sn), bm.index(sn), pn, PAGE_BYTES, R_OFF, CB)
         pn = pp
         pp = gl.load(bt_row + gl.minimum(t + NS + 1, t_hi - 1))
         st = it % NS
-        mbarrier.wait(bars.index(st), (it // NS) & 1)  # tile t in shared memory
+        mbarrier.wait(bc.index(st), (it // NS) & 1)  # tile t in shared memory
+        mbarrier.wait(bm.index(st), (it // NS) & 1)
         if CB == 4:
             cst = _view(cs.index(st), gl.int16, [512, 16], SW)
         else:
@@ -795,7 +802,8 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, POOL, DC, DM,
         if ABL != 1:  # ablation 1 (timing only): no P·V
             acc, az = _pv(psm, words, ztm, acc, az, CB, A2, B2)
     for i in gl.static_range(NS):
-        mbarrier.invalidate(bars.index(i))
+        mbarrier.invalidate(bc.index(i))
+        mbarrier.invalidate(bm.index(i))
 
     # accumulators from units of 2^-24 (and of 1/16 for the odd nibbles) to units of 1: the
     # protected rows below add into them in FP16 units
@@ -867,7 +875,7 @@ def decode(
     fmt = layer.fmt
     prot = layer.prot
     _exact16_kernel[(splits, B)](
-        q, qpe, o, lse, block_table, lengths, prot, layer.pool, *descriptors(layer.pool, fmt.content_bits),
+        q, qpe, o, lse, block_table, lengths, prot, *descriptors(layer.pool, fmt.content_bits),
         H, q.stride(0), q.stride(1), qpe.stride(0), qpe.stride(1), prot.stride(0),
         o.stride(0), o.stride(1), o.stride(2), block_table.stride(0), per, tau * LOG2E,
         **constexprs(fmt, layer.sink, layer.recent, splits > 1, late_check, ablate),
