@@ -235,7 +235,8 @@ def _copy_tile(dc, dm, cst, mst, bc, bm, page, PAGE_BYTES: gl.constexpr, R_OFF: 
     completing on ``bc``, and the 4 KB from the RoPE codes on (64 rows of 16 words, then the scales and
     zero-points, content and RoPE, then the page's padding) into ``mst``, unswizzled, completing on
     ``bm``. The two mbarriers are separate allocations: Triton 3.6 puts a CTA barrier between two
-    operations on one allocation, and so only between the expects and the copies here."""
+    operations on one allocation, so there is none between the two copies (one stays between the
+    expects and the copies, one between the copies and the waits)."""
     mbarrier.expect(bc, R_OFF)
     mbarrier.expect(bm, PAGE_BYTES - R_OFF)
     if CB == 4:
