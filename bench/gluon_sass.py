@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quantmla.kernels import gluon_decode  # noqa: E402
 
-POINTERS = dict(Q="bf16", QPE="bf16", O="fp32", LSE="fp32", BT="i32", LENS="i64", PROT="bf16", POOL="u8",
+POINTERS = dict(Q="bf16", QPE="bf16", O="fp32", LSE="fp32", BT="i32", LENS="i64", PROT="bf16",
                 CCodes="u8", CScale="bf16", CZero="u8", RCodes="u8", RScale="fp32", RZero="u8")  # fmt: skip
 INSTR = re.compile(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)([^;]*);")
 
