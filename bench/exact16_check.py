@@ -10,10 +10,11 @@ poisoned with NaN before each call, against :func:`quantmla.kernels.reference.de
 (BF16-rounded rows) is printed beside it for scale. Also checks that the tensor cores keep FP16
 subnormals (the kernel's codes are subnormal FP16 numbers). Timing: ``bench/decode.py``'s method
 (CUDA-graph replays, L2 flushed, medians) for C16R16, C4R4 with the default kernels, C4R4 with a
-BF16 P, C4R4 exact, C2R4 with the default kernels and C2R4 exact, in one run; then, at ``--ablate-shape``, the kernel's variants: the
+BF16 P, C4R4 exact, C2R4 with the default kernels and C2R4 exact, in one run; then, at each ``--ablate-shape``, the kernel's variants: the
 running maximum checked by a reduction before P (``late_check=False``) instead of per warp
 beside P', and each stage left out in turn (``ablate`` 1: no P·V, 2: no score products, 3: no
-maximum check; wrong outputs, timing only). ``--maxnreg N`` adds every check and timing of the exact
+maximum check, 5: no unpacking in either product, 6: none in the score products, 7: neither
+product, 8: only the page copies and the loop's barrier; wrong outputs, timing only). ``--maxnreg N`` adds every check and timing of the exact
 kernel under a register cap of N (168 lets three C2R4 programs share an SM); ``--only`` times a
 subset beside C16R16 and leaves the variants out (for A/B runs of several trees, ``bench/ab.sh``). Writes
 ``exact16-<date>.json`` under ``--out``.
@@ -54,9 +55,10 @@ def subnormal_check(gen) -> float:
     return float((got - ref).norm() / ref.norm())
 
 
-def case(H, lengths, splits, gen, scale=1.0, cb=4, extra=None):
+def case(H, lengths, splits, gen, scale=1.0, cb=4, extra=None, ablate=0):
     """(rel. error of o, max |lse error|) against the exact reference, the same for the
-    paper-semantics reference, and whether every output was written; C``cb``R4 pages."""
+    paper-semantics reference, and whether every output was written; C``cb``R4 pages (``ablate``:
+    the kernel launched with that variant through :func:`run`, for variants that keep the outputs)."""
     B = len(lengths)
     fmt = PageFormat(cb, 4)
     per = max(-(-L // 64) for L in lengths)
@@ -74,7 +76,12 @@ def case(H, lengths, splits, gen, scale=1.0, cb=4, extra=None):
     qp = torch.randn(B, H, 64, device=DEV, generator=gen)
     out = (torch.full((B, H, 512), float("nan"), device=DEV), torch.full((B, H), float("nan"), device=DEV))
     cfg = {"exact": True} | ({} if splits is None else {"num_splits": splits}) | (extra or {})
-    o, lse = kernels.decode(layer, bt, lens, q, qp, TAU, "triton", cfg, out=out)
+    if ablate:
+        ns = triton_decode.default_config(B, H, max(lengths), layer, DEV, cfg)["num_splits"]
+        run(layer, bt, lens, q.bfloat16(), qp.bfloat16(), ns, max(lengths), out, True, ablate)
+        o, lse = out
+    else:
+        o, lse = kernels.decode(layer, bt, lens, q, qp, TAU, "triton", cfg, out=out)
     torch.cuda.synchronize()
     ro, rl = reference.decode(layer, bt, lens, q, qp, TAU, exact=True)
     po, pl = reference.decode(layer, bt, lens, q, qp, TAU)
@@ -82,7 +89,7 @@ def case(H, lengths, splits, gen, scale=1.0, cb=4, extra=None):
     full = triton_decode.default_config(B, H, max(lengths), layer, DEV, cfg)
     plan = triton_decode.plan(layer, H, full, DEV, max(lengths))
     return dict(
-        fmt=fmt.name, H=H, lengths=lengths, splits=plan.splits, per=plan.per, scale=scale, written=written, **(extra or {}),
+        fmt=fmt.name, H=H, lengths=lengths, splits=plan.splits, ablate=ablate, per=plan.per, scale=scale, written=written, **(extra or {}),
         o_rel=float((o - ro).norm() / ro.norm()), lse_abs=float((lse - rl).abs().max()),
         paper_o_rel=float((po - ro).norm() / ro.norm()), paper_lse_abs=float((pl - rl).abs().max()),
     )  # fmt: skip
@@ -106,7 +113,9 @@ def variants(spec, gen, l2) -> dict:
     out = (torch.empty(B, H, 512, device=DEV), torch.empty(B, H, device=DEV))
     row = dict(H=H, B=B, L=L, num_splits=ns)
     for key, late, ab in (("shipped", True, 0), ("reduction_check", False, 0), ("no_pv", True, 1),
-                          ("no_scores", True, 2), ("no_max_check", True, 3)):  # fmt: skip
+                          ("no_scores", True, 2), ("no_max_check", True, 3), ("no_unpacking", True, 5),
+                          ("no_score_unpacking", True, 6), ("no_products", True, 7), ("copies_only", True, 8),
+                          ("copies_only_wide", True, 9), ("wide_copies", True, 10)):  # fmt: skip
         calls = [functools.partial(run, layer, t, sh.lengths, sh.q, sh.qp, ns, L, out, late, ab) for t in tables]
         row[f"{key}_ms"] = time_calls(calls)
     print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
@@ -128,8 +137,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--shapes", default="16:32:8192,16:32:32768,16:1:131072,16:128:32768,16:64:8192")
-    ap.add_argument("--ablate-shape", default="16:32:32768")
+    ap.add_argument("--ablate-shape", default="16:32:32768", help="H:B:L of the variants (comma-separated)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--wide", action="store_true", help="also check variant 10 (pages copied in 256-byte rows)")
     ap.add_argument("--maxnreg", type=int, help="also check and time the exact kernel under this register cap")
     ap.add_argument("--only", help="time only these keys (comma-separated, e.g. c16r16,c4r4_exact,c2r4_exact); "
                     "C16R16 is always timed, and the variants are left out")  # fmt: skip
@@ -148,6 +158,10 @@ def main() -> None:
             for scale in (1.0, 8.0) if lengths == [1000, 67, 5000] and splits == 3 else (1.0,):
                 for extra in capped:
                     r = case(H, lengths, splits, gen, scale, cb, extra)
+                    meta["cases"].append(r)
+                    print(r, flush=True)
+                if args.wide:
+                    r = case(H, lengths, splits, gen, scale, cb, None, ablate=10)
                     meta["cases"].append(r)
                     print(r, flush=True)
     ok = all(r["written"] and r["o_rel"] < 2e-3 and r["lse_abs"] < 2e-3 for r in meta["cases"])
@@ -179,7 +193,7 @@ def main() -> None:
             torch.cuda.empty_cache()
         meta["rows"] = rows
         if not args.only:
-            meta["variants"] = variants(args.ablate_shape, gen, l2)
+            meta["variants"] = [variants(spec, gen, l2) for spec in args.ablate_shape.split(",")]
     write_record(meta, "exact16", stamp, args.out)
     if not ok:
         sys.exit(1)

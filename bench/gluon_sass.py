@@ -4,6 +4,7 @@
     python bench/gluon_sass.py --bits 4 --keep /tmp/g4.sass
     python bench/gluon_sass.py --mma16    # the 16-head register-fed kernel (quantmla/kernels/mma_decode.py)
     python bench/gluon_sass.py --exact    # the 16-head exact-dequantization kernel, C4R4 and C2R4 (quantmla/kernels/exact_decode.py)
+    python bench/gluon_sass.py --exact --bits 4 --ablate 8   # one of its timing-only variants
     python bench/gluon_sass.py --triton   # the Triton kernel at 16 heads, sink in page tile 0 and not
     python bench/gluon_sass.py --prefill  # the teacher-forced kernel, stored rows rounded and exact
 
@@ -43,10 +44,11 @@ POINTERS = dict(Q="bf16", QPE="bf16", O="fp32", LSE="fp32", BT="i32", LENS="i64"
 INSTR = re.compile(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)([^;]*);")
 
 
-def compile_sass(bits: int, mma16: bool = False, exact: bool = False) -> tuple[str, str, int]:
+def compile_sass(bits: int, mma16: bool = False, exact: bool = False, ablate: int = 0) -> tuple[str, str, int]:
     """(SASS text, resource line, shared bytes) of the kernel for ``bits``-bit content codes (or
     of the 16-head register-fed kernel :mod:`quantmla.kernels.mma_decode`, or of the 16-head
-    exact-dequantization kernel :mod:`quantmla.kernels.exact_decode`)."""
+    exact-dequantization kernel :mod:`quantmla.kernels.exact_decode`, with its timing-only
+    variant ``ablate``)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     if exact:
@@ -55,14 +57,14 @@ def compile_sass(bits: int, mma16: bool = False, exact: bool = False) -> tuple[s
         from quantmla.kernels import PageFormat, exact_decode
 
         k, warps = exact_decode._exact16_kernel, exact_decode.WARPS
-        consts = exact_decode.constexprs(PageFormat(bits, 4, 512, 64, 64, torch.bfloat16), 4, 128, True)
+        consts = exact_decode.constexprs(PageFormat(bits, 4, 512, 64, 64, torch.bfloat16), 4, 128, True, ablate=ablate)
     elif mma16:
         from quantmla.kernels import mma_decode
 
         k, consts, warps = mma_decode._h16_decode_kernel, dict(SINK=4, RECENT=128, SPLIT=True, ABL=0), mma_decode.WARPS
     else:
         k, consts, warps = gluon_decode._h64_decode_kernel, dict(SINK=4, RECENT=128, SPLIT=True, C_BITS=bits), 8
-    descs = exact_decode.descriptor_blocks(bits) if exact else {}
+    descs = exact_decode.descriptor_blocks(bits, ablate in (9, 10)) if exact else {}
     sig, attrs = {}, {}
     for i, n in enumerate(k.arg_names):
         if n in consts:
@@ -178,6 +180,9 @@ def main() -> None:
     ap.add_argument("--triton", action="store_true", help="the Triton kernel at 16 heads instead")
     ap.add_argument("--exact", action="store_true", help="the 16-head exact-dequantization kernel instead")
     ap.add_argument("--prefill", action="store_true", help="the teacher-forced kernel instead, rounded and exact")
+    ap.add_argument(
+        "--ablate", type=int, default=0, help="with --exact: the kernel's timing-only variant (bench/NOTES.md, v32)"
+    )
     args = ap.parse_args()
     print(f"triton {triton.__version__}, sm_90")
     if args.prefill:
@@ -198,7 +203,7 @@ def main() -> None:
                 print(f"triton C{bits}R4 sink_in_tile0={swap}: {res} shared={shared} B, {len(ops)} HMMA ({kinds})")
         return
     for bits in [4] if args.mma16 else args.bits:
-        sass, res, shared = compile_sass(bits, args.mma16, args.exact)
+        sass, res, shared = compile_sass(bits, args.mma16, args.exact, args.ablate)
         if args.keep:
             Path(args.keep).write_text(sass)
         print(f"{'mma16 ' if args.mma16 else 'exact ' if args.exact else ''}C{bits}R4: {res} shared={shared} B")

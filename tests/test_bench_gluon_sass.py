@@ -119,6 +119,26 @@ def test_exact_kernel_compiles_for_hopper_with_one_tile_per_loop_iteration():
         assert [tuple(map(int, t))[:2] for t in loops] == [(39, 72), (36, 64)], (bits, r.stdout)
 
 
+def test_exact_kernel_timing_variants_leave_out_what_they_say():
+    """The exact kernel's timing-only variants (bench/NOTES.md, v32) at C4R4, compiled for sm_90:
+    without unpacking (5) the page loop keeps every product and loses at least the 288 code words'
+    worth of `and`/shift instructions of each product (0.625 per code, 288 codes per thread and
+    product: 360 in all; 300 asked); with the copies only (8), and with them in 256-byte rows (9),
+    it keeps its two TMA copies and no product; variant 10 keeps everything."""
+    pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
+    pat = re.compile(r"loop 0: (\d+) instructions, (\d+) HGMMA, (\d+) HMMA, \d+ BSSY, (\d+) local, (\d+) TMA")
+    got = {}
+    for ab in (0, 5, 8, 9, 10):
+        r = _compile("bench/gluon_sass.py", "--exact", "--bits", "4", "--ablate", str(ab))
+        assert r.returncode == 0, r.stderr[-3000:]
+        m = pat.search(r.stdout)
+        assert m, r.stdout
+        got[ab] = tuple(map(int, m.groups()))
+    assert got[0][1:] == got[5][1:] == got[10][1:] == (39, 72, 0, 2), got
+    assert got[0][0] - got[5][0] >= 300, got
+    assert got[8][1:] == got[9][1:] == (0, 0, 0, 2) and got[8][0] < 100, got
+
+
 def test_teacher_forced_kernel_compiles_for_hopper_rounded_and_exact():
     """The teacher-forced kernel at its default tiles compiled for sm_90, its stored rows rounded and
     ``exact``: its tensor-core products are all BF16 m16n8k16 in both (a float32 operand left in the

@@ -229,7 +229,9 @@ LO2 = gl.constexpr(gl.BlockedLayout([1, 1, 1, 4], [1, 4, 4, 2], [4, 1, 1, 1], [3
 
 
 @gluon.jit
-def _copy_tile(dc, dm, cst, mst, bc, bm, page, PAGE_BYTES: gl.constexpr, R_OFF: gl.constexpr, CB: gl.constexpr):
+def _copy_tile(
+    dc, dm, cst, mst, bc, bm, page, PAGE_BYTES: gl.constexpr, R_OFF: gl.constexpr, CB: gl.constexpr, WIDE: gl.constexpr
+):
     """The TMA copy of page ``page`` into a stage in two boxes: the content codes (512 rows of 16 words at
     4 bits, with the 32-byte swizzle, or of 8 at 2; group-major, 64 tokens per group) into ``cst``,
     completing on ``bc``, and the 4 KB from the RoPE codes on (64 rows of 16 words, then the scales and
@@ -239,11 +241,16 @@ def _copy_tile(dc, dm, cst, mst, bc, bm, page, PAGE_BYTES: gl.constexpr, R_OFF: 
     expects and the copies, one between the copies and the waits)."""
     mbarrier.expect(bc, R_OFF)
     mbarrier.expect(bm, PAGE_BYTES - R_OFF)
-    if CB == 4:
+    if WIDE:  # the same bytes as boxes of 256-byte rows, unswizzled
+        row = page * (PAGE_BYTES // 256)
+        _tma_load(dc, [row, 0], bc, _view(cst, gl.int16, [R_OFF // 256, 128], NV0))
+        _tma_load(dm, [row + R_OFF // 256, 0], bm, _view(mst, gl.int16, [16, 128], NV0))
+    elif CB == 4:
         _tma_load(dc, [page * (PAGE_BYTES // 2048), 0, 0], bc, _view(cst, gl.int16, [8, 64, 16], NV32_3))
     else:
         _tma_load(dc, [page * (PAGE_BYTES // 4096), 0, 0], bc, _view(cst, gl.int16, [2, 256, 8], NV0_3))
-    _tma_load(dm, [page * (PAGE_BYTES // 32) + R_OFF // 32, 0], bm, mst)
+    if not WIDE:
+        _tma_load(dm, [page * (PAGE_BYTES // 32) + R_OFF // 32, 0], bm, mst)
 
 
 @gluon.jit
@@ -310,6 +317,14 @@ def _content_words(cst, g: gl.constexpr, CB: gl.constexpr, AL: gl.constexpr):
 
 
 @gluon.jit
+def _raw4(x):
+    """Timing only (ablation 5): the code words themselves as the four FP16 operands, so that the
+    products run on the loaded registers with no unpacking (the values are wrong)."""
+    r = x.to(gl.float16, bitcast=True)
+    return r, r, r, r
+
+
+@gluon.jit
 def _a_operands(x, CB: gl.constexpr, AL: gl.constexpr):
     """Code words from :func:`_content_words` -> the four FP16 A operands of their group's score
     wgmma: nibble j (channel 4m + j at k = m) at 4 bits; at 2, codes p and p + 4 side by side
@@ -336,16 +351,21 @@ def _tile_words(cst, rst, CB: gl.constexpr, AL: gl.constexpr):
 
 
 @gluon.jit
-def _scores(xs, qc, qr, zb, s, sr, wz, CB: gl.constexpr, AL: gl.constexpr, ACC: gl.constexpr):
+def _scores(xs, qc, qr, zb, s, sr, wz, CB: gl.constexpr, AL: gl.constexpr, ACC: gl.constexpr, RAW: gl.constexpr):
     """Σ_g s_tg (Σ_c n_tc q'_hc 2^-24 − z_tg Σ_c q'_hc 2^-24) for the page tile whose code words are
     ``xs`` (:func:`_tile_words`; ``s``: the content groups' scales per token; ``wz``: the A operand of
     the zero-point term): tokens on M, one group's products in flight while the previous group's
-    are scaled."""
+    are scaled (``RAW``: timing only, the words as operands, not unpacked)."""
     tot = gl.zeros([64, 16], gl.float32, ACC)
     zacc = _zero_scores(wz, zb, ACC)
-    prev = _group_scores(_a_operands(xs[0], CB, AL), qc, qr, 0, ACC)
+    if RAW:
+        prev = _group_scores(_raw4(xs[0]), qc, qr, 0, ACC)
+    else:
+        prev = _group_scores(_a_operands(xs[0], CB, AL), qc, qr, 0, ACC)
     for g in gl.static_range(8):
-        if g < 7:
+        if RAW:
+            nxt = _group_scores(_raw4(xs[g + 1]), qc, qr, g + 1, ACC)
+        elif g < 7:
             nxt = _group_scores(_a_operands(xs[g + 1], CB, AL), qc, qr, g + 1, ACC)
         else:
             nxt = _group_scores(_unpack4(xs[8]), qc, qr, g + 1, ACC)
@@ -459,11 +479,15 @@ def _b_operands(x, B2: gl.constexpr, CB: gl.constexpr):
 
 
 @gluon.jit
-def _pv(psm, words, ztm, acc, az, CB: gl.constexpr, A2: gl.constexpr, B2: gl.constexpr):
+def _pv(psm, words, ztm, acc, az, CB: gl.constexpr, A2: gl.constexpr, B2: gl.constexpr, RAW: gl.constexpr):
     """acc_j += P'_g · codes_j of the page tile's code ``words`` (:func:`_pv_words`; j: nibble 0..3 at
-    4 bits, code 0..7 at 2) and the zero column: az += P'_g · (z·2^-24 in column 0)."""
+    4 bits, code 0..7 at 2) and the zero column: az += P'_g · (z·2^-24 in column 0) (``RAW``: timing
+    only, the words as operands)."""
     pa = psm.permute((0, 2, 1)).load(A2)
-    acc = _mma_each(pa, _unpack(words, CB), acc, CB)
+    if RAW:
+        acc = _mma_each(pa, _raw4(words), acc, CB)
+    else:
+        acc = _mma_each(pa, _unpack(words, CB), acc, CB)
     az = mma_v2(pa, ztm.load(B2), az)
     return acc, az
 
@@ -647,7 +671,7 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, DC, DM,
                     PAGE_BYTES: gl.constexpr, R_OFF: gl.constexpr, S_OFF: gl.constexpr, RS_OFF: gl.constexpr,
                     Z_OFF: gl.constexpr, RZ_OFF: gl.constexpr,
                     SINK: gl.constexpr, RECENT: gl.constexpr, SPLIT: gl.constexpr, CHECK_LATE: gl.constexpr,
-                    ABL: gl.constexpr, CB: gl.constexpr):  # fmt: skip
+                    ABL: gl.constexpr, CB: gl.constexpr, WIDE: gl.constexpr):  # fmt: skip
     BN: gl.constexpr = 64
     NS: gl.constexpr = STAGES
     AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
@@ -702,7 +726,7 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, DC, DM,
     for i in gl.static_range(NS - 1):
         if t_lo + i < t_hi:
             page = gl.load(bt_row + t_lo + i)
-            _copy_tile(DC, DM, cs.index(i), ms.index(i), bc.index(i), bm.index(i), page, PAGE_BYTES, R_OFF, CB)
+            _copy_tile(DC, DM, cs.index(i), ms.index(i), bc.index(i), bm.index(i), page, PAGE_BYTES, R_OFF, CB, WIDE)
     kq = _queries(Q + b * stride_qb, stride_qh, QPE + b * stride_rb, stride_rh, H, qc, qr, zb, CB)
     # per head: the scores in log2 units are c_h · (products), c_h = tau·log2(e)·2^(24 − kq)
     ch = gl.convert_layout(qk_scale * ((151 - kq) << 23).to(gl.float32, bitcast=True), COLS)
@@ -739,69 +763,72 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, DC, DM,
         _barrier()  # every warp done with tile t - 1: its stage and the P buffer can be written
         if t + NS - 1 < t_hi:
             sn = (it + NS - 1) % NS
-            _copy_tile(DC, DM, cs.index(sn), ms.index(sn), bc.index(sn), bm.index(sn), pn, PAGE_BYTES, R_OFF, CB)
+            _copy_tile(DC, DM, cs.index(sn), ms.index(sn), bc.index(sn), bm.index(sn), pn, PAGE_BYTES, R_OFF, CB, WIDE)
         pn = pp
         pp = gl.load(bt_row + gl.minimum(t + NS + 1, t_hi - 1))
         st = it % NS
         mbarrier.wait(bc.index(st), (it // NS) & 1)  # tile t in shared memory
         mbarrier.wait(bm.index(st), (it // NS) & 1)
-        if CB == 4:
-            cst = _view(cs.index(st), gl.int16, [512, 16], SW)
-        else:
-            cst = _view(cs.index(st), gl.int16, [512, 8], P2)
-        mt = ms.index(st)
-        rst = _view(mt.slice(0, 64), gl.int16, [64, 16], P2)
-        # the metadata, 2 KB from the content scales (:func:`constexprs` checks these offsets: each region
-        # at a multiple of its size, as slices of shared memory must be)
-        mb = _view(mt.slice(64, 64), gl.uint8, [2048], P1)
-        sst = _view(mb.slice(0, 1024), gl.bfloat16, [64, 8], P2)
-        zst = _view(mb.slice(Z_OFF - S_OFF, 512), gl.uint8, [64, 8], P2)
-        rsst = _view(mb.slice(RS_OFF - S_OFF, 256), gl.float32, [64], P1)
-        rzst = _view(mb.slice(RZ_OFF - S_OFF, 64), gl.uint8, [64], P1)
-        tok = t * BN + rows
-        valid = (tok >= SINK) & (tok < low_hi)
-        # scales of rows that hold no page token read as 0 (their slots may hold anything): their P'
-        # is then 0, not 0 times a stray NaN
-        v8 = gl.convert_layout(valid, gl.SliceLayout(1, L8), assert_trivial=True)[:, None]
-        s8 = _cols8(gl.where(v8, sst.load(L8).to(gl.float32), 0.0), ROWS)
-        sr = gl.where(valid, rsst.load(ROWS), 0.0)
-        # the zero-point term's A (s·z per token and group, RoPE in column 8) and the zero-point
-        # column tile of P·V (z·2^-24 in column 0 of each group's 8)
-        za = zst.load(LA8)
-        va = gl.convert_layout(valid, gl.SliceLayout(1, LA8), assert_trivial=True)[:, None]
-        wr = gl.convert_layout(sr * rzst.load(ROWS).to(gl.float32), gl.SliceLayout(1, LA8), assert_trivial=True)
-        wc = gl.where(va, sst.load(LA8).to(gl.float32), 0.0) * za.to(gl.float32)
-        wz = gl.convert_layout(_cols16(wc, gl.where(c8 == 0, wr[:, None], 0.0)), AL, assert_trivial=True)
-        zc = gl.convert_layout(za.to(gl.int16), gl.SliceLayout(2, L3Z), assert_trivial=True)[:, :, None]
-        ztm.permute((1, 0, 2)).store(gl.where(n8 == 0, zc, 0).to(gl.float16, bitcast=True))
-        if ABL == 2:  # timing only: no score products
-            x = gl.zeros([64, 16], gl.float32, ACC)
-        else:
-            xs = _tile_words(cst, rst, CB, AL)
-            x = _scores(xs, qc, qr, zb, s8, sr, wz, CB, AL, ACC) * ch[None, :]
-        # P·V's code words while the softmax runs (the tile is in shared memory since the loop's barrier)
-        words = _pv_words(cst, CB, B2)
-        if CHECK_LATE:
-            # optimistic: P against the running maximum, each warp's overshoot published with P';
-            # the rare tile that passes it by more than 2^LAZY is redone after the barrier
-            x = gl.where(valid[:, None], x, float("-inf"))
-            fl.store(_over_per_warp(x, valid, m_ref))
-            p = _p(x, m_ref)
-            _store_p(psm, p, s8)
-            _barrier()  # P', the zero-point tile and the overshoots visible to every warp
-            if ABL != 3:
-                if gl.max(fl.load(LF), axis=0) > LAZY:
-                    m_ref, lacc, acc, az = _raise_max(x, m_ref, lacc, acc, az, CB, M2)
-                    p = _p(x, m_ref)
-                    _store_p(psm, p, s8)
-                    _barrier()
-            lacc = lacc + p
-        else:
-            p, m_ref, lacc, acc, az = _softmax(x, valid, m_ref, lacc, acc, az, CB, M2)
-            _store_p(psm, p, s8)
-            _barrier()  # P' and the zero-point tile visible to every warp
-        if ABL != 1:  # ablation 1 (timing only): no P·V
-            acc, az = _pv(psm, words, ztm, acc, az, CB, A2, B2)
+        if (ABL != 8) and (ABL != 9):  # ablations 8 and 9 (timing only): the copies and barriers alone
+            if WIDE:
+                cst = _view(cs.index(st), gl.int16, [512, 4 * CB], P2)
+            elif CB == 4:
+                cst = _view(cs.index(st), gl.int16, [512, 16], SW)
+            else:
+                cst = _view(cs.index(st), gl.int16, [512, 8], P2)
+            mt = ms.index(st)
+            rst = _view(mt.slice(0, 64), gl.int16, [64, 16], P2)
+            # the metadata, 2 KB from the content scales (:func:`constexprs` checks these offsets: each region
+            # at a multiple of its size, as slices of shared memory must be)
+            mb = _view(mt.slice(64, 64), gl.uint8, [2048], P1)
+            sst = _view(mb.slice(0, 1024), gl.bfloat16, [64, 8], P2)
+            zst = _view(mb.slice(Z_OFF - S_OFF, 512), gl.uint8, [64, 8], P2)
+            rsst = _view(mb.slice(RS_OFF - S_OFF, 256), gl.float32, [64], P1)
+            rzst = _view(mb.slice(RZ_OFF - S_OFF, 64), gl.uint8, [64], P1)
+            tok = t * BN + rows
+            valid = (tok >= SINK) & (tok < low_hi)
+            # scales of rows that hold no page token read as 0 (their slots may hold anything): their P'
+            # is then 0, not 0 times a stray NaN
+            v8 = gl.convert_layout(valid, gl.SliceLayout(1, L8), assert_trivial=True)[:, None]
+            s8 = _cols8(gl.where(v8, sst.load(L8).to(gl.float32), 0.0), ROWS)
+            sr = gl.where(valid, rsst.load(ROWS), 0.0)
+            # the zero-point term's A (s·z per token and group, RoPE in column 8) and the zero-point
+            # column tile of P·V (z·2^-24 in column 0 of each group's 8)
+            za = zst.load(LA8)
+            va = gl.convert_layout(valid, gl.SliceLayout(1, LA8), assert_trivial=True)[:, None]
+            wr = gl.convert_layout(sr * rzst.load(ROWS).to(gl.float32), gl.SliceLayout(1, LA8), assert_trivial=True)
+            wc = gl.where(va, sst.load(LA8).to(gl.float32), 0.0) * za.to(gl.float32)
+            wz = gl.convert_layout(_cols16(wc, gl.where(c8 == 0, wr[:, None], 0.0)), AL, assert_trivial=True)
+            zc = gl.convert_layout(za.to(gl.int16), gl.SliceLayout(2, L3Z), assert_trivial=True)[:, :, None]
+            ztm.permute((1, 0, 2)).store(gl.where(n8 == 0, zc, 0).to(gl.float16, bitcast=True))
+            if (ABL == 2) or (ABL == 7):  # timing only: no score products
+                x = gl.zeros([64, 16], gl.float32, ACC)
+            else:
+                xs = _tile_words(cst, rst, CB, AL)
+                x = _scores(xs, qc, qr, zb, s8, sr, wz, CB, AL, ACC, (ABL == 5) or (ABL == 6)) * ch[None, :]
+            # P·V's code words while the softmax runs (the tile is in shared memory since the loop's barrier)
+            words = _pv_words(cst, CB, B2)
+            if CHECK_LATE:
+                # optimistic: P against the running maximum, each warp's overshoot published with P';
+                # the rare tile that passes it by more than 2^LAZY is redone after the barrier
+                x = gl.where(valid[:, None], x, float("-inf"))
+                fl.store(_over_per_warp(x, valid, m_ref))
+                p = _p(x, m_ref)
+                _store_p(psm, p, s8)
+                _barrier()  # P', the zero-point tile and the overshoots visible to every warp
+                if ABL != 3:
+                    if gl.max(fl.load(LF), axis=0) > LAZY:
+                        m_ref, lacc, acc, az = _raise_max(x, m_ref, lacc, acc, az, CB, M2)
+                        p = _p(x, m_ref)
+                        _store_p(psm, p, s8)
+                        _barrier()
+                lacc = lacc + p
+            else:
+                p, m_ref, lacc, acc, az = _softmax(x, valid, m_ref, lacc, acc, az, CB, M2)
+                _store_p(psm, p, s8)
+                _barrier()  # P' and the zero-point tile visible to every warp
+            if (ABL != 1) and (ABL != 7):  # ablations 1 and 7 (timing only): no P·V
+                acc, az = _pv(psm, words, ztm, acc, az, CB, A2, B2, ABL == 5)
     for i in gl.static_range(NS):
         mbarrier.invalidate(bc.index(i))
         mbarrier.invalidate(bm.index(i))
@@ -871,12 +898,16 @@ def decode(
     ``lse`` (B, H, splits) float32 partials when ``splits > 1``, else the outputs themselves.
     ``late_check``: the running maximum checked per warp beside P' (True) or by a reduction over
     the tile before P (False); ``ablate`` (timing only): 1 no P·V, 2 no score products, 3 no
-    maximum check (wrong outputs), 4 no L2 prefetch of the protected rows."""
+    maximum check (wrong outputs), 4 no L2 prefetch of the protected rows, 5 no unpacking (the code
+    words themselves enter both products; C4R4 only), 6 no unpacking for the score products, 7 neither
+    product, 8 nothing but the page copies and the loop's barrier."""
     B, H, _ = q.shape
     fmt = layer.fmt
+    if ablate in (5, 6) and fmt.content_bits != 4:
+        raise ValueError("ablations 5 and 6 time C4R4 pages only")
     prot = layer.prot
     _exact16_kernel[(splits, B)](
-        q, qpe, o, lse, block_table, lengths, prot, *descriptors(layer.pool, fmt.content_bits),
+        q, qpe, o, lse, block_table, lengths, prot, *descriptors(layer.pool, fmt.content_bits, ablate in (9, 10)),
         H, q.stride(0), q.stride(1), qpe.stride(0), qpe.stride(1), prot.stride(0),
         o.stride(0), o.stride(1), o.stride(2), block_table.stride(0), per, tau * LOG2E,
         **constexprs(fmt, layer.sink, layer.recent, splits > 1, late_check, ablate),
@@ -884,10 +915,12 @@ def decode(
     )  # fmt: skip
 
 
-def descriptor_blocks(cb: int) -> dict:
+def descriptor_blocks(cb: int, wide: bool = False) -> dict:
     """The block shape (in 16-bit words) and shared layout of the kernel's two TMA descriptors over a
     pool of ``cb``-bit content pages: ``DC`` the content codes, ``DM`` the 4 KB from the RoPE codes on
     (those codes and the metadata)."""
+    if wide:
+        return dict(DC=([64 * cb // 4, 128], NV0.value), DM=([16, 128], NV0.value))
     content = ([8, 64, 16], NV32_3.value) if cb == 4 else ([2, 256, 8], NV0_3.value)
     return dict(DC=content, DM=([128, 16], NV0.value))
 
@@ -895,13 +928,13 @@ def descriptor_blocks(cb: int) -> dict:
 _DESCRIPTORS: dict = {}  # id(pool) -> (weak reference to the pool, content bits, descriptors)
 
 
-def descriptors(pool: torch.Tensor, cb: int) -> tuple:
+def descriptors(pool: torch.Tensor, cb: int, wide: bool = False) -> tuple:
     """The TMA descriptors of :func:`descriptor_blocks` over ``pool`` (pages x bytes, uint8), viewed as
     16-bit words: (pages x 8 or 2 boxes, rows, words) for ``DC``, rows of 32 B for ``DM``. Kept per pool
     tensor; the entries of pools that are gone (a pool that grows is a new tensor) are dropped at the
     next new one."""
     hit = _DESCRIPTORS.get(id(pool))
-    if hit is not None and hit[0]() is pool and hit[1] == cb:
+    if hit is not None and hit[0]() is pool and hit[1] == (cb, wide):
         return hit[2]
     for k in [k for k, v in _DESCRIPTORS.items() if v[0]() is None]:
         del _DESCRIPTORS[k]
@@ -909,10 +942,10 @@ def descriptors(pool: torch.Tensor, cb: int) -> tuple:
 
     words = pool.view(torch.int16)
     out = []
-    for block, layout in descriptor_blocks(cb).values():
+    for block, layout in descriptor_blocks(cb, wide).values():
         rows = words.view(-1, *block[1:])
         out.append(TensorDescriptor(rows, list(rows.shape), list(rows.stride()), block, layout))
-    _DESCRIPTORS[id(pool)] = (weakref.ref(pool), cb, tuple(out))
+    _DESCRIPTORS[id(pool)] = (weakref.ref(pool), (cb, wide), tuple(out))
     return tuple(out)
 
 
@@ -930,6 +963,7 @@ def constexprs(fmt, sink: int, recent: int, split: bool, late_check: bool = True
     return dict(
         PAGE_BYTES=fmt.page_bytes, **off,
         SINK=sink, RECENT=recent, SPLIT=split, CHECK_LATE=late_check, ABL=ablate, CB=fmt.content_bits,
+        WIDE=ablate in (9, 10),
     )  # fmt: skip
 
 
