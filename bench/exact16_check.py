@@ -14,7 +14,9 @@ BF16 P, C4R4 exact, C2R4 with the default kernels and C2R4 exact, in one run; th
 running maximum checked by a reduction before P (``late_check=False``) instead of per warp
 beside P', and each stage left out in turn (``ablate`` 1: no P·V, 2: no score products, 3: no
 maximum check, 5: no unpacking in either product, 6: none in the score products, 7: neither
-product, 8: only the page copies and the loop's barrier; wrong outputs, timing only). ``--maxnreg N`` adds every check and timing of the exact
+product, 8: only the page copies and the loop's barrier, 9: as 8 with the pages copied as 256-byte
+rows; wrong outputs, timing only; 10: the whole kernel on pages copied as 256-byte rows, whose
+outputs ``--wide`` checks against float64). ``--maxnreg N`` adds every check and timing of the exact
 kernel under a register cap of N (168 lets three C2R4 programs share an SM); ``--only`` times a
 subset beside C16R16 and leaves the variants out (for A/B runs of several trees, ``bench/ab.sh``). Writes
 ``exact16-<date>.json`` under ``--out``.
