@@ -16,6 +16,10 @@ with ``bench/decode.py``'s method (CUDA-graph replays, L2 flushed, medians):
 - ``floor``: a graph of one trivial kernel under the same flush (what the method itself costs);
 - ``protected``: at batch 1, 128K, the exact kernel with and without its last split (the one that
   holds the protected tiles), each with and without their L2 prefetch;
+- ``skeleton`` (``--skeleton``): at each shape, the exact kernel alone, shipped (``ablate`` 0) and
+  with its page copies only (``ablate`` 8), at 0, 1, 2, 4, 8 … work tiles per split, at the shape's
+  split count without its last split, without the L2 prefetch of the protected rows, without the
+  protected rows (``ablate`` 11), and the full decode with protected tiles of each ``--weights``;
 - ``flush``: the full exact decode at batch 1, 128K timed by events after no flush, after
   do_bench's flush (a 256 MB memset, which leaves L2 full of dirty lines) and after a flush by
   reading 256 MB (clean lines).
@@ -63,8 +67,20 @@ class Parts:
     def launch(self, bt, per=None, splits=None, ablate=0):
         sh, pl = self.sh, self.plan._replace(per=self.per if per is None else per, splits=splits or self.splits)
         if ablate:  # the exact kernel's timing variants
+            w = int(self.cfg.get("prot_weight", triton_decode.EXACT_PROT_WEIGHT))
             triton_decode._exact().decode(
-                self.layer, bt, sh.lengths, sh.q, sh.qp, self.op, self.lsep, TAU, pl.splits, pl.per, ablate=ablate
+                self.layer,
+                bt,
+                sh.lengths,
+                sh.q,
+                sh.qp,
+                self.op,
+                self.lsep,
+                TAU,
+                pl.splits,
+                pl.per,
+                ablate=ablate,
+                weight=w,
             )
         else:
             triton_decode.launch(pl, self.layer, bt, sh.lengths, sh.q, sh.qp, self.op, self.lsep, TAU, self.cfg)
@@ -135,6 +151,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--shapes", default="16:1:4096,16:1:32768,16:1:131072,16:32:4096")
     ap.add_argument("--splits", default="66,132,264,528")
+    ap.add_argument("--skeleton", action="store_true", help="only the exact kernel's skeleton at --shapes")
+    ap.add_argument("--weights", default="1,3,4,5,6,8", help="with --skeleton: protected-tile weights to time")
     ap.add_argument(
         "--b1-only", action="store_true", help="only the protected-tile and flush comparisons at batch 1, 128K"
     )
@@ -150,6 +168,12 @@ def main() -> None:
     meta["rows"] = []
     splits = [int(s) for s in a.splits.split(",")]
     last = None
+    if a.skeleton:
+        meta["skeleton"], weights = [], [int(w) for w in a.weights.split(",")]
+        for spec in a.shapes.split(","):
+            meta["skeleton"].append(skeleton_report(*map(int, spec.split(":")), gen, l2, weights))
+            write_record(meta, "splitcost", stamp, a.out)
+        return
     for spec in [] if a.b1_only else a.shapes.split(","):
         H, B, L = map(int, spec.split(":"))
         row, sh = shape_report(H, B, L, gen, l2, splits)
@@ -162,6 +186,32 @@ def main() -> None:
         meta["protected"] = protected_report(last)
         meta["flush"] = flush_report(last)
         write_record(meta, "splitcost", stamp, a.out)
+
+
+def skeleton_report(H, B, L, gen, l2, weights) -> dict:
+    """The exact C4R4 kernel alone (no merge), shipped and as its page copies only (``ablate`` 8):
+    at the shape's split count with 0 … ``per`` work tiles per split, without its last split (timing
+    only: those requests' protected rows and last page tiles are left out), and without the prefetch
+    of the protected rows (``ablate`` 4, shipped only)."""
+    sh = Shape(H, B, L, gen, l2, formats={"c4r4": (4, 4)})
+    p = Parts(sh, "c4r4", {"exact": True})
+    out = {"H": H, "B": B, "L": L, "splits": p.splits, "per": p.per, "full": sh.time("c4r4", {"exact": True})}
+    pers = sorted({0, 1, 2, 4, 8, 16, 32, p.per} & set(range(p.per + 1)))
+    for abl in (0, 8):
+        r = {f"per{k}": time_calls([functools.partial(p.launch, t, k, None, abl) for t in p.tables]) for k in pers}
+        if p.splits > 1:
+            r["no_last_split"] = time_calls([functools.partial(p.launch, t, None, p.splits - 1, abl) for t in p.tables])
+        out[f"ablate{abl}"] = r
+    out["ablate4"] = time_calls([functools.partial(p.launch, t, None, None, 4) for t in p.tables])
+    out["ablate11"] = time_calls([functools.partial(p.launch, t, None, None, 11) for t in p.tables])
+    out["merge"] = p.merge_ms() if p.splits > 1 else 0.0
+    out["weights"] = {}
+    for w in weights:
+        q = Parts(sh, "c4r4", {"exact": True, "prot_weight": w})
+        full = sh.time("c4r4", {"exact": True, "prot_weight": w})
+        out["weights"][str(w)] = {"splits": q.splits, "per": q.per, "full": full, "kernel": q.kernel_ms()}
+    print("skeleton", out, flush=True)
+    return out
 
 
 def protected_report(sh: Shape) -> dict:

@@ -107,6 +107,37 @@ def test_decode_splits_count_the_protected_rows_as_work_tiles():
         assert rel(o, o_ref) < TOL and rel(lse, lse_ref) < TOL, splits
 
 
+@pytest.mark.parametrize("sink, recent", [(4, 128), (4, 16), (0, 128), (64, 64)], ids=str)
+def test_exact_kernel_splits_weigh_the_protected_tiles(sink, recent):
+    """The exact kernel's splits (front_split_work, front_ranges: what the kernel computes from its
+    program id): for any weight, split count and request length up to max_len, every page tile and
+    every protected tile is attended to by exactly one split, no split holds more than ``per`` units
+    (a protected tile counting min(weight, per)), at most the splits asked for run, and a protected
+    tile never shares a split with another one when it weighs a split or more. Weight 1 cuts the
+    request into the same splits as split_work (page and protected tiles alike)."""
+    from quantmla.kernels.triton_decode import front_ranges, front_split_work, split_work
+
+    layer = PagedLayer(PageFormat(4, 4), 1, "cpu", batch=1, sink=sink, recent=recent)
+    k = -(-(sink + recent) // 64)
+    for max_len in (0, 1, 70, 131, 133, 300, 4000, 8192, 131072):
+        n_max = -(-min(max(max_len - recent, sink), max_len) // 64)
+        for ns in (1, 2, 3, 8, 40, 264):
+            for w in (1, 2, 5, 20):
+                splits, per = front_split_work(layer, max_len, ns, w)
+                assert 1 <= splits <= ns
+                if w == 1:
+                    assert (splits, per) == split_work(layer, max_len, 64, ns)
+                for n in {0, 1, n_max // 2, n_max} - {x for x in (1,) if x > n_max}:
+                    pages, prot = [], []
+                    for s in range(splits):
+                        pr, kr = front_ranges(s, per, w, k, n)
+                        assert len(pr) + min(w, per) * len(kr) <= per, (max_len, ns, w, s)
+                        assert w < per or len(kr) <= 1
+                        pages += list(pr)
+                        prot += list(kr)
+                    assert sorted(pages) == list(range(n)) and sorted(prot) == list(range(k)), (max_len, ns, w, n)
+
+
 @pytest.mark.parametrize("sink, block_n", [(4, 16), (16, 16), (17, 16), (0, 32), (40, 32)], ids=str)
 def test_decode_sink_in_page_tile_zero_or_among_the_protected_tiles(sink, block_n):
     """Sink rows that fit in one tile ride in page tile 0, swapped in from the protection buffer; a
@@ -448,11 +479,25 @@ def test_exact_decode_raises_where_its_kernel_does_not_run():
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernels need a Hopper GPU (Gluon has no interpreter)")
 @pytest.mark.parametrize("cb", [4, 2])
-@pytest.mark.parametrize("H, splits", [(16, None), (16, 1), (16, 3), (9, 2), (1, None)], ids=str)
-def test_exact_decode_matches_the_exact_reference(H, splits, cb):
+@pytest.mark.parametrize(
+    "H, splits, weight",
+    [
+        (16, None, None),
+        (16, 1, None),
+        (16, 3, None),
+        (16, 3, 1),
+        (16, 8, 2),
+        (16, 40, 20),
+        (9, 2, None),
+        (1, None, None),
+    ],
+    ids=str,
+)
+def test_exact_decode_matches_the_exact_reference(H, splits, weight, cb):
     """The exact-dequantization kernel against float64 attention over s·(q − z) (reference.decode
     with exact=True): ragged requests (shorter than the protected rows, not page multiples, empty),
-    one to three or the default splits; every output written; within P's FP16 rounding (1e-3; the
+    one to forty or the default splits, protected tiles weighing 1 to 20 page tiles (at 20, each
+    protected tile a split of its own); every output written; within P's FP16 rounding (1e-3; the
     BF16-rounded rows of the default kernels alone sit ~1e-3 away on such latents), LSE to 1e-5."""
     from quantmla.kernels.triton_decode import default_config, plan
 
@@ -460,7 +505,8 @@ def test_exact_decode_matches_the_exact_reference(H, splits, cb):
     lengths = [4000, 300, 70, 1, 0]
     layer, bt, lens, _, _ = filled_layer(PageFormat(cb, 4), lengths, gen)
     q, qp = _queries(len(lengths), H, gen)
-    cfg = dict(exact=True) if splits is None else dict(exact=True, num_splits=splits)
+    cfg = dict(exact=True) | ({} if splits is None else dict(num_splits=splits))
+    cfg |= {} if weight is None else dict(prot_weight=weight)
     full = default_config(len(lengths), H, 4000, layer, q.device, cfg)
     assert plan(layer, H, full, q.device, 4000)[0] == "exact"
     o_ref, lse_ref = ref.decode(layer, bt, lens, q, qp, 576**-0.5, exact=True)

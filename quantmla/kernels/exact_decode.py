@@ -52,17 +52,20 @@ registers and 103 KB of shared memory each at C4R4, 79 KB at C2R4):
   ``ldmatrix.trans`` of the same shared tile, unpacked the same way, plus one 8-column product per
   group on a tile whose column 0 holds the zero-points (the ``Σ p s z`` term).
 
-The protected rows (sink and ring, BF16) are three work tiles after the page tiles, as in the
-register-fed kernel (``triton_decode.split_work``); they enter both products as FP16 (exact for
-magnitudes in [2^-14, 65504], as cached latents are) through the same accumulators, once these have
-been brought from the codes' 2^-24 units to units of 1. Splits and the LSE merge are the Triton
-kernel's. Range: P <= 2^LAZY and P' = P·s in FP16 take content scales below 4,000 (group ranges
+The protected rows (sink and ring, BF16) are three work tiles before the page tiles, each weighing
+``EXACT_PROT_WEIGHT`` page tiles when a request is cut into splits (``triton_decode.front_split_work``:
+a protected tile takes 3–5 page tiles' time, and a split that held two or three of them on
+top of a full share of page tiles ran last, bench/NOTES.md v33); a split attends to its page tiles
+first, then to its protected rows. They enter both products as FP16 (exact for magnitudes in
+[2^-14, 65504], as cached latents are) through the same accumulators, once these have been brought
+from the codes' 2^-24 units to units of 1. The LSE merge is the Triton kernel's. Range: P <= 2^LAZY
+and P' = P·s in FP16 take content scales below 4,000 (group ranges
 below 60,000 at 4 bits, 12,000 at 2).
 
-Measured on the H200 (bench/NOTES.md v24-v30; sweep ``decode-20261202-184707``): at 16 heads,
-batch >= 32 and 8K tokens or more, C4R4 at 1.56-1.86x the speed of C16R16 and C2R4 at 1.64-2.01x,
-where the default kernels run them at 0.89-0.98x and 0.90-1.00x; 1.35x and 1.45x at batch 1 and
-128K; slower than C16R16 at batch 1 and short contexts (0.80x at 4K), where each split holds
+Measured on the H200 (bench/NOTES.md v24-v33; sweep ``decode-20261203-132456``): at 16 heads,
+batch >= 32 and 8K tokens or more, C4R4 at 1.56-1.88x the speed of C16R16 and C2R4 at 1.64-1.98x,
+where the default kernels run them at 0.89-0.97x and 0.91-0.99x; 1.64x and 1.72x at batch 1 and
+128K; slower than C16R16 at batch 1 and short contexts (0.82x at 4K), where each split holds
 one tile. C2R4's loop issues 4 % fewer instructions than C4R4's, with the same unpacking per code.
 
 Takes C4R4 or C2R4 in a BF16 cache (group 64, d_c 512, d_r 64, protection buffers on) for at most 16 heads
@@ -88,6 +91,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from quantmla.kernels.gluon_decode import _join8, _prot_valid, hopper_format
 from quantmla.kernels.mma_decode import _prefetch_page
+from quantmla.kernels.triton_decode import front_share
 
 LOG2E = 1.4426950408889634
 WARPS = 4
@@ -667,7 +671,7 @@ def _store_out(o_b, y, H, stride_oh, LOUT: gl.constexpr):
 @gluon.jit
 def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, DC, DM,
                     H, stride_qb, stride_qh, stride_rb, stride_rh, stride_pb,
-                    stride_ob, stride_oh, stride_os, stride_bt, tiles_per_split, qk_scale,
+                    stride_ob, stride_oh, stride_os, stride_bt, tiles_per_split, prot_per, prot_end, qk_scale,
                     PAGE_BYTES: gl.constexpr, R_OFF: gl.constexpr, S_OFF: gl.constexpr, RS_OFF: gl.constexpr,
                     Z_OFF: gl.constexpr, RZ_OFF: gl.constexpr,
                     SINK: gl.constexpr, RECENT: gl.constexpr, SPLIT: gl.constexpr, CHECK_LATE: gl.constexpr,
@@ -715,8 +719,11 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, DC, DM,
 
     low_hi = L - RECENT  # tokens SINK <= t < L - RECENT are read from the pages
     n_tiles = gl.cdiv(gl.minimum(gl.maximum(low_hi, SINK), L), BN)
-    t_lo = pid_s * tiles_per_split
-    t_hi = gl.minimum(t_lo + tiles_per_split, n_tiles)
+    # this split's work units pid_s·per … (pid_s + 1)·per − 1 (triton_decode.front_split_work): first
+    # the request's protected tiles, prot_per to a split, then its page tiles from unit prot_end on
+    u_lo = pid_s * tiles_per_split
+    t_lo = gl.maximum(u_lo - prot_end, 0)
+    t_hi = gl.minimum(gl.maximum(u_lo + tiles_per_split - prot_end, 0), n_tiles)
     bt_row = BT + b * stride_bt
     rows = gl.arange(0, BN, layout=ROWS)
     n8 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3Z)))[None, None, :]
@@ -750,10 +757,12 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, DC, DM,
     pn = gl.load(bt_row + gl.minimum(t_lo + NS - 1, t_hi - 1), mask=t_lo < t_hi, other=0)
     pp = gl.load(bt_row + gl.minimum(t_lo + NS, t_hi - 1), mask=t_lo < t_hi, other=0)
     tid = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0]))
-    # the protected rows (sink, then the recent ring) are this request's work tiles n_tiles, …: the
-    # ones of this split, read after its page tiles, go to L2 now
-    p_lo = gl.maximum(t_lo - n_tiles, 0) * BN
-    p_hi = gl.minimum(t_lo + tiles_per_split - n_tiles, (SINK + RECENT + BN - 1) // BN) * BN
+    # this split's protected rows (sink, then the recent ring; read after its page tiles) go to L2 now
+    KP: gl.constexpr = (SINK + RECENT + BN - 1) // BN
+    p_lo = gl.minimum(pid_s * prot_per, KP) * BN
+    p_hi = gl.minimum(pid_s * prot_per + prot_per, KP) * BN
+    if ABL == 11:  # timing only: no protected rows
+        p_hi = p_lo
     if ABL != 4:  # ablation 4 (timing only): no prefetch of the protected rows
         if p_lo < p_hi:
             row_bytes: gl.constexpr = 576 * 2  # a protected row: d_c + d_r BF16 values
@@ -892,24 +901,28 @@ def decode(
     maxnreg=None,
     late_check: bool = True,
     ablate: int = 0,
+    weight: int = 1,
 ) -> None:
-    """Launch over ``splits`` splits of ``per`` work tiles each (:func:`.triton_decode.split_work`,
-    sink and ring as three tiles): ``q``, ``qpe`` BF16 contiguous; ``o`` (B, H, splits, d_c) and
+    """Launch over ``splits`` splits of ``per`` work units each (:func:`.triton_decode.front_split_work`:
+    sink and ring as three tiles of ``weight`` units each, first, then the page tiles of one unit
+    each): ``q``, ``qpe`` BF16 contiguous; ``o`` (B, H, splits, d_c) and
     ``lse`` (B, H, splits) float32 partials when ``splits > 1``, else the outputs themselves.
     ``late_check``: the running maximum checked per warp beside P' (True) or by a reduction over
     the tile before P (False); ``ablate`` (timing only): 1 no P·V, 2 no score products, 3 no
     maximum check (wrong outputs), 4 no L2 prefetch of the protected rows, 5 no unpacking (the code
     words themselves enter both products; C4R4 only), 6 no unpacking for the score products, 7 neither
-    product, 8 nothing but the page copies and the loop's barrier."""
+    product, 8 nothing but the page copies and the loop's barrier, 9 as 8 with boxes of 256-byte rows,
+    10 the whole kernel on such boxes (correct outputs), 11 no protected rows."""
     B, H, _ = q.shape
     fmt = layer.fmt
     if ablate in (5, 6) and fmt.content_bits != 4:
         raise ValueError("ablations 5 and 6 time C4R4 pages only")
     prot = layer.prot
+    prot_per, prot_end = front_share(per, weight, -(-(layer.sink + layer.recent) // 64))
     _exact16_kernel[(splits, B)](
         q, qpe, o, lse, block_table, lengths, prot, *descriptors(layer.pool, fmt.content_bits, ablate in (9, 10)),
         H, q.stride(0), q.stride(1), qpe.stride(0), qpe.stride(1), prot.stride(0),
-        o.stride(0), o.stride(1), o.stride(2), block_table.stride(0), per, tau * LOG2E,
+        o.stride(0), o.stride(1), o.stride(2), block_table.stride(0), per, prot_per, prot_end, tau * LOG2E,
         **constexprs(fmt, layer.sink, layer.recent, splits > 1, late_check, ablate),
         num_warps=WARPS, maxnreg=maxnreg,
     )  # fmt: skip

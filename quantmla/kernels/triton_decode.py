@@ -529,6 +529,46 @@ def split_work(layer, max_len: int, block_n: int, num_splits: int, sink_in_tile0
     return triton.cdiv(work, per), per
 
 
+EXACT_PROT_WEIGHT = 5  # page tiles one protected tile weighs in the exact kernel's splits (bench/NOTES.md, v33)
+
+
+def front_share(per: int, weight: int, k: int) -> tuple[int, int]:
+    """(protected tiles per split, first page unit) of :func:`front_split_work`: ``k`` protected
+    tiles of ``weight`` units each (at most a split's ``per``) at the front, as many to a split as fit
+    in it whole, and the page tiles (one unit each) from the unit after the last of them."""
+    if per <= 0:  # no work (timing probes of a split's fixed cost)
+        return 0, 0
+    if k == 0:
+        return 1, 0
+    w = max(1, min(weight, per))
+    m = per // w
+    return m, ((k - 1) // m) * per + ((k - 1) % m + 1) * w
+
+
+def front_split_work(layer, max_len: int, num_splits: int, weight: int) -> tuple[int, int]:
+    """(splits, units per split) for the exact kernel: a request's protected tiles first, each
+    weighing ``weight`` page tiles (a protected tile reads 64 BF16 rows, 3.6x a C4R4 page, without the
+    page copies' pipeline), then its page tiles; at most ``num_splits`` splits of the fewest equal
+    units that fit (a protected tile weighs a whole split where splits are shorter than ``weight``).
+    Split ``s`` takes units ``s·per … (s+1)·per − 1`` (:func:`front_ranges`)."""
+    n, k = _work(max_len, PAGE, _protected(layer))
+    per = max(1, triton.cdiv(n + k, max(1, num_splits)))  # the fewest units per split that can do
+    while True:
+        end = front_share(per, weight, k)[1]
+        splits = max(1, triton.cdiv(end + n, per))
+        if splits <= max(1, num_splits):
+            return splits, per
+        per += 1
+
+
+def front_ranges(s: int, per: int, weight: int, k: int, n: int) -> tuple[range, range]:
+    """(page tiles, protected tiles) split ``s`` of :func:`front_split_work` attends to in a request of
+    ``n`` page tiles and ``k`` protected tiles: what the exact kernel computes from its program id."""
+    m, end = front_share(per, weight, k)
+    lo = s * per
+    return range(max(lo - end, 0), min(max(lo + per - end, 0), n)), range(min(s * m, k), min(s * m + m, k))
+
+
 @functools.cache
 def _gluon():
     """The Gluon Hopper kernel's module, or None where this Triton has no (compatible) Gluon."""
@@ -634,7 +674,8 @@ def plan(layer, H: int, cfg: dict, device, max_len: int) -> Plan:
     bn, ns = cfg["block_n"], int(cfg["num_splits"])
     if cfg.get("exact"):
         check_exact(layer, H, device)
-        return Plan("exact", *split_work(layer, max_len, PAGE, ns), False)
+        weight = int(cfg.get("prot_weight", EXACT_PROT_WEIGHT))
+        return Plan("exact", *front_split_work(layer, max_len, ns, weight), False)
     if cfg.get("gluon"):
         splits, per = split_work(layer, max_len, bn, ns, sink_in_tile0=True)
         if uses_gluon(layer, H, cfg, device, per):
@@ -677,7 +718,7 @@ def launch(pl: Plan, layer, block_table, lengths, q, qpe, op, lsep, tau: float, 
     kernel, splits, per, sink_in_tile0 = pl
     args = (layer, block_table, lengths, q, qpe, op, lsep, tau, splits, per)
     if kernel == "exact":
-        _exact().decode(*args, cfg.get("maxnreg"))
+        _exact().decode(*args, cfg.get("maxnreg"), weight=int(cfg.get("prot_weight", EXACT_PROT_WEIGHT)))
     elif kernel == "gluon":
         _gluon().decode(*args)
     elif kernel == "mma16":
