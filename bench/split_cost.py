@@ -67,7 +67,7 @@ class Parts:
     def launch(self, bt, per=None, splits=None, ablate=0):
         sh, pl = self.sh, self.plan._replace(per=self.per if per is None else per, splits=splits or self.splits)
         if ablate:  # the exact kernel's timing variants
-            w = int(self.cfg.get("prot_weight", triton_decode.EXACT_PROT_WEIGHT))
+            w = triton_decode.prot_weight(self.cfg)
             triton_decode._exact().decode(
                 self.layer,
                 bt,

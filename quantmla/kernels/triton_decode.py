@@ -532,6 +532,11 @@ def split_work(layer, max_len: int, block_n: int, num_splits: int, sink_in_tile0
 EXACT_PROT_WEIGHT = 5  # page tiles one protected tile weighs in the exact kernel's splits (bench/NOTES.md, v33)
 
 
+def prot_weight(cfg: dict) -> int:
+    """The weight of a protected tile in the exact kernel's splits under decode config ``cfg``."""
+    return int(cfg.get("prot_weight", EXACT_PROT_WEIGHT))
+
+
 def front_share(per: int, weight: int, k: int) -> tuple[int, int]:
     """(protected tiles per split, first page unit) of :func:`front_split_work`: ``k`` protected
     tiles of ``weight`` units each (at most a split's ``per``) at the front, as many to a split as fit
@@ -674,8 +679,7 @@ def plan(layer, H: int, cfg: dict, device, max_len: int) -> Plan:
     bn, ns = cfg["block_n"], int(cfg["num_splits"])
     if cfg.get("exact"):
         check_exact(layer, H, device)
-        weight = int(cfg.get("prot_weight", EXACT_PROT_WEIGHT))
-        return Plan("exact", *front_split_work(layer, max_len, ns, weight), False)
+        return Plan("exact", *front_split_work(layer, max_len, ns, prot_weight(cfg)), False)
     if cfg.get("gluon"):
         splits, per = split_work(layer, max_len, bn, ns, sink_in_tile0=True)
         if uses_gluon(layer, H, cfg, device, per):
@@ -718,7 +722,7 @@ def launch(pl: Plan, layer, block_table, lengths, q, qpe, op, lsep, tau: float, 
     kernel, splits, per, sink_in_tile0 = pl
     args = (layer, block_table, lengths, q, qpe, op, lsep, tau, splits, per)
     if kernel == "exact":
-        _exact().decode(*args, cfg.get("maxnreg"), weight=int(cfg.get("prot_weight", EXACT_PROT_WEIGHT)))
+        _exact().decode(*args, cfg.get("maxnreg"), weight=prot_weight(cfg))
     elif kernel == "gluon":
         _gluon().decode(*args)
     elif kernel == "mma16":
