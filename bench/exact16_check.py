@@ -100,7 +100,7 @@ def case(H, lengths, splits, gen, scale=1.0, cb=4, extra=None, ablate=0):
 def run(layer, bt, lens, q, qp, nsplit, max_len, out, late_check=True, ablate=0, weight=None):
     """The exact kernel through ``front_split_work`` and the Triton kernel's LSE merge, with its variant
     knobs (``weight``: a protected tile's weight in the splits, default ``EXACT_PROT_WEIGHT``)."""
-    weight = triton_decode.EXACT_PROT_WEIGHT if weight is None else weight
+    weight = triton_decode.prot_weight({} if weight is None else {"prot_weight": weight})
     splits, per = triton_decode.front_split_work(layer, max_len, nsplit, weight)
     op, lsep = triton_decode.partials(out[0], out[1], splits)
     exact_decode.decode(layer, bt, lens, q, qp, op, lsep, TAU, splits, per, None, late_check, ablate, weight)

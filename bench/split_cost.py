@@ -14,8 +14,9 @@ with ``bench/decode.py``'s method (CUDA-graph replays, L2 flushed, medians):
 - ``splits``: the full decode at other split counts;
 - ``merge_variants``: the merge kernel with other column blocks and warps;
 - ``floor``: a graph of one trivial kernel under the same flush (what the method itself costs);
-- ``protected``: at batch 1, 128K, the exact kernel with and without its last split (the one that
-  holds the protected tiles), each with and without their L2 prefetch;
+- ``protected``: at batch 1, 128K, the exact kernel with and without its last split (before v33 the
+  one that held the protected tiles; now they come first and the last split holds page tiles), each
+  with and without the protected rows' L2 prefetch;
 - ``skeleton`` (``--skeleton``): at each shape, the exact kernel alone, shipped (``ablate`` 0) and
   with its page copies only (``ablate`` 8), at 0, 1, 2, 4, 8 … work tiles per split, at the shape's
   split count without its last split, without the L2 prefetch of the protected rows, without the
@@ -191,7 +192,7 @@ def main() -> None:
 def skeleton_report(H, B, L, gen, l2, weights) -> dict:
     """The exact C4R4 kernel alone (no merge), shipped and as its page copies only (``ablate`` 8):
     at the shape's split count with 0 … ``per`` work tiles per split, without its last split (timing
-    only: those requests' protected rows and last page tiles are left out), and without the prefetch
+    only: each request's last page tiles are left out), and without the prefetch
     of the protected rows (``ablate`` 4, shipped only)."""
     sh = Shape(H, B, L, gen, l2, formats={"c4r4": (4, 4)})
     p = Parts(sh, "c4r4", {"exact": True})
@@ -215,9 +216,9 @@ def skeleton_report(H, B, L, gen, l2, weights) -> dict:
 
 
 def protected_report(sh: Shape) -> dict:
-    """The exact kernel alone at the shape's split count and with its last split left out (at
-    batch 1, 128K that split holds only the three protected tiles; outputs incomplete, timing
-    only), each with and without the L2 prefetch of the protected rows (``ablate=4``)."""
+    """The exact kernel alone at the shape's split count and with its last split left out (before
+    v33 that split held only the three protected tiles at batch 1, 128K; now it holds page tiles;
+    outputs incomplete, timing only), each with and without the L2 prefetch of the protected rows (``ablate=4``)."""
     p = Parts(sh, "c4r4", {"exact": True})
     out = {}
     for s in (p.splits, p.splits - 1):
