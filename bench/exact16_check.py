@@ -15,8 +15,9 @@ running maximum checked by a reduction before P (``late_check=False``) instead o
 beside P', and each stage left out in turn (``ablate`` 1: no P·V, 2: no score products, 3: no
 maximum check, 5: no unpacking in either product, 6: none in the score products, 7: neither
 product, 8: only the page copies and the loop's barrier, 9: as 8 with the pages copied as 256-byte
-rows; wrong outputs, timing only; 10: the whole kernel on pages copied as 256-byte rows, whose
-outputs ``--wide`` checks against float64). ``--maxnreg N`` adds every check and timing of the exact
+rows, 11: no protected rows, 12: as 11 with P·V as wgmma (channels on M) instead of mma.sync and
+without its zero-point column; wrong outputs, timing only; 10: the whole kernel on pages copied as
+256-byte rows, whose outputs ``--wide`` checks against float64). ``--maxnreg N`` adds every check and timing of the exact
 kernel under a register cap of N (168 lets three C2R4 programs share an SM); ``--only`` times a
 subset beside C16R16 and leaves the variants out (for A/B runs of several trees, ``bench/ab.sh``). Writes
 ``exact16-<date>.json`` under ``--out``.
@@ -119,7 +120,8 @@ def variants(spec, gen, l2) -> dict:
     for key, late, ab in (("shipped", True, 0), ("reduction_check", False, 0), ("no_pv", True, 1),
                           ("no_scores", True, 2), ("no_max_check", True, 3), ("no_unpacking", True, 5),
                           ("no_score_unpacking", True, 6), ("no_products", True, 7), ("copies_only", True, 8),
-                          ("copies_only_wide", True, 9), ("wide_copies", True, 10)):  # fmt: skip
+                          ("copies_only_wide", True, 9), ("wide_copies", True, 10), ("no_protected", True, 11),
+                          ("pv_wgmma_no_protected", True, 12)):  # fmt: skip
         calls = [functools.partial(run, layer, t, sh.lengths, sh.q, sh.qp, ns, L, out, late, ab) for t in tables]
         row[f"{key}_ms"] = time_calls(calls)
     print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)

@@ -669,6 +669,43 @@ def _store_out(o_b, y, H, stride_oh, LOUT: gl.constexpr):
 
 
 @gluon.jit
+def _pvw_group(psm, cst, acc, g: gl.constexpr, AL: gl.constexpr):
+    """Timing only (ablation 12): group ``g``'s P·V as four async wgmma, channels on M (the four
+    nibble tensors of its score A operands stand in for the channel-major fragments, so the values are
+    wrong but the loads, unpacking and products are those of P·V on wgmma), tokens on K, the group's P'
+    (NVMMA layout) as B."""
+    a = _unpack4(_content_words(cst, g, 4, AL))
+    pg = psm.reshape([512, 16])
+    acc = warpgroup_mma(a[0], pg.slice(64 * g, 16), acc, is_async=True)
+    acc = warpgroup_mma(a[1], pg.slice(64 * g + 16, 16), acc, is_async=True)
+    acc = warpgroup_mma(a[2], pg.slice(64 * g + 32, 16), acc, is_async=True)
+    return warpgroup_mma(a[3], pg.slice(64 * g + 48, 16), acc, is_async=True)
+
+
+@gluon.jit
+def _pv_wgmma(psm, cst, acc, AL: gl.constexpr):
+    """Timing only: P·V of the tile as 32 wgmma, two groups in flight (each group's A registers live
+    until its products complete), all complete at the end. (Leaving the last group in flight into the
+    next tile makes ptxas serialize every wgmma of the loop: Triton 3.6.)"""
+    c0 = _pvw_group(psm, cst, acc[0], 0, AL)
+    c1 = _pvw_group(psm, cst, acc[1], 1, AL)
+    c0 = warpgroup_mma_wait(num_outstanding=4, deps=(c0,))
+    c2 = _pvw_group(psm, cst, acc[2], 2, AL)
+    c1 = warpgroup_mma_wait(num_outstanding=4, deps=(c1,))
+    c3 = _pvw_group(psm, cst, acc[3], 3, AL)
+    c2 = warpgroup_mma_wait(num_outstanding=4, deps=(c2,))
+    c4 = _pvw_group(psm, cst, acc[4], 4, AL)
+    c3 = warpgroup_mma_wait(num_outstanding=4, deps=(c3,))
+    c5 = _pvw_group(psm, cst, acc[5], 5, AL)
+    c4 = warpgroup_mma_wait(num_outstanding=4, deps=(c4,))
+    c6 = _pvw_group(psm, cst, acc[6], 6, AL)
+    c5 = warpgroup_mma_wait(num_outstanding=4, deps=(c5,))
+    c7 = _pvw_group(psm, cst, acc[7], 7, AL)
+    c6, c7 = warpgroup_mma_wait(num_outstanding=0, deps=(c6, c7))
+    return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@gluon.jit
 def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, DC, DM,
                     H, stride_qb, stride_qh, stride_rb, stride_rh, stride_pb,
                     stride_ob, stride_oh, stride_os, stride_bt, tiles_per_split, prot_per, prot_end, qk_scale,
@@ -708,7 +745,11 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, DC, DM,
     qc = gl.allocate_shared_memory(gl.float16, [32, 16, 16], QS)  # score B tiles, content: (8j + g) x (head, word)
     qr = gl.allocate_shared_memory(gl.float16, [4, 16, 16], QS)  # score B tiles, RoPE: j x (head, word)
     zb = gl.allocate_shared_memory(gl.float16, [2, 16, 16], QS)  # zero-point term B: hi, lo x (head, group)
-    psm = gl.allocate_shared_memory(gl.float16, [8, 64, 16], SW3)  # P'_g: (group, token, head)
+    WG: gl.constexpr = ABL == 12  # timing only: P·V on wgmma
+    if WG:
+        psm = gl.allocate_shared_memory(gl.float16, [8, 64, 16], NV32_3)
+    else:
+        psm = gl.allocate_shared_memory(gl.float16, [8, 64, 16], SW3)  # P'_g: (group, token, head)
     ztm = gl.allocate_shared_memory(gl.float16, [8, 64, 8], P3)  # zero-point column tile (group, token, 8)
     fl = gl.allocate_shared_memory(gl.float32, [4], P1)  # each warp's overshoot of the running maximum
     LF: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
@@ -744,7 +785,10 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, DC, DM,
     lacc = gl.zeros([64, 16], gl.float32, ACC)
     # P·V: one accumulator per code position j of a word (groups x heads x words; channel
     # 64g + (16/CB)·m + j)
-    if CB == 4:
+    if WG:
+        a0 = gl.zeros([64, 16], gl.float32, ACC)
+        acc = (a0, a0, a0, a0, a0, a0, a0, a0)
+    elif CB == 4:
         a0 = gl.zeros([8, 16, 16], gl.float32, M2)
         acc = (a0, a0, a0, a0)
     else:
@@ -761,7 +805,7 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, DC, DM,
     KP: gl.constexpr = (SINK + RECENT + BN - 1) // BN
     p_lo = gl.minimum(pid_s * prot_per, KP) * BN
     p_hi = gl.minimum(pid_s * prot_per + prot_per, KP) * BN
-    if ABL == 11:  # timing only: no protected rows
+    if (ABL == 11) or WG:  # timing only: no protected rows
         p_hi = p_lo
     if ABL != 4:  # ablation 4 (timing only): no prefetch of the protected rows
         if p_lo < p_hi:
@@ -827,7 +871,15 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, DC, DM,
                 _barrier()  # P', the zero-point tile and the overshoots visible to every warp
                 if ABL != 3:
                     if gl.max(fl.load(LF), axis=0) > LAZY:
-                        m_ref, lacc, acc, az = _raise_max(x, m_ref, lacc, acc, az, CB, M2)
+                        if WG:
+                            acc = warpgroup_mma_wait(num_outstanding=0, deps=acc)
+                            m_new = gl.maximum(m_ref, gl.max(x, axis=0))
+                            alpha = gl.exp2(m_ref - m_new)
+                            lacc = lacc * alpha[None, :]
+                            acc = _times(acc, alpha[None, :], 2)
+                            m_ref = m_new
+                        else:
+                            m_ref, lacc, acc, az = _raise_max(x, m_ref, lacc, acc, az, CB, M2)
                         p = _p(x, m_ref)
                         _store_p(psm, p, s8)
                         _barrier()
@@ -836,50 +888,63 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, DC, DM,
                 p, m_ref, lacc, acc, az = _softmax(x, valid, m_ref, lacc, acc, az, CB, M2)
                 _store_p(psm, p, s8)
                 _barrier()  # P' and the zero-point tile visible to every warp
-            if (ABL != 1) and (ABL != 7):  # ablations 1 and 7 (timing only): no P·V
+            if WG:  # timing only: P·V on wgmma, without the zero-point column
+                acc = _pv_wgmma(psm, cst, acc, AL)
+            elif (ABL != 1) and (ABL != 7):  # ablations 1 and 7 (timing only): no P·V
                 acc, az = _pv(psm, words, ztm, acc, az, CB, A2, B2, ABL == 5)
     for i in gl.static_range(NS):
         mbarrier.invalidate(bc.index(i))
         mbarrier.invalidate(bm.index(i))
 
-    # accumulators from units of 2^-24 (and of 1/16 for the odd nibbles) to units of 1: the
-    # protected rows below add into them in FP16 units
-    if CB == 4:
-        acc = (acc[0] * 16777216.0, acc[1] * 1048576.0, acc[2] * 16777216.0, acc[3] * 1048576.0)
-    else:  # code j's values were 4^(j mod 4)·n·2^-24
-        acc = (acc[0] * 16777216.0, acc[1] * 4194304.0, acc[2] * 1048576.0, acc[3] * 262144.0,
-               acc[4] * 16777216.0, acc[5] * 4194304.0, acc[6] * 1048576.0, acc[7] * 262144.0)  # fmt: skip
-    az = az * 16777216.0
-
-    if p_lo < p_hi:  # this split's protected rows
-        prot = PROT + b * stride_pb
-        one = gl.full([BN], 1.0, gl.float32, ROWS)
-        for r0 in range(p_lo, p_hi, BN):
-            _barrier()  # every warp done with the P buffer
-            valid = _prot_valid(r0 + rows, L, SINK, RECENT)
-            x = _prot_scores(prot, r0, valid, qc, qr, CB, ACC, AL, L3A) * (ch * 5.9604644775390625e-08)[None, :]
-            p, m_ref, lacc, acc, az = _softmax(x, valid, m_ref, lacc, acc, az, CB, M2)
-            _store_p(psm, p, (one, one, one, one, one, one, one, one))
-            _barrier()
-            acc = _pv_prot(psm, prot, r0, L, acc, CB, A2, B2, L3B, SINK, RECENT)
-
-    # out: O[h, 64g + (16/CB)·m + j] = (acc_j[g, h, m] − Σ_t p s z [g, h]) / l_h, four consecutive
-    # channels of one (g, h) in each thread (16-byte stores, a warp's two or four heads x 256 B contiguous)
-    l = gl.sum(lacc, axis=0)
-    has = l > 0
-    lse = gl.where(has, (m_ref + gl.log2(gl.where(has, l, 1.0))) * 0.6931471805599453, float("-inf"))
-    inv = gl.convert_layout(1.0 / gl.where(has, l, 1.0), gl.SliceLayout(0, gl.SliceLayout(2, M2)))[None, :, None]
-    nz = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, M2)))
-    zsum = gl.sum(gl.where(nz[None, None, :] == 0, az, 0.0), axis=2)[:, :, None]
-    o_b = O + b * stride_ob + pid_s * stride_os
-    if CB == 4:
-        y = gl.join(gl.join((acc[0] - zsum) * inv, (acc[2] - zsum) * inv),
-                    gl.join((acc[1] - zsum) * inv, (acc[3] - zsum) * inv))  # fmt: skip
-        _store_out(o_b, gl.convert_layout(gl.reshape(y, [8, 16, 16, 4]), LO), H, stride_oh, LO)
+    if WG:  # timing only: each group's accumulator as 64 output channels (values wrong)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=acc)
+        l = gl.sum(lacc, axis=0)
+        has = l > 0
+        lse = gl.where(has, (m_ref + gl.log2(gl.where(has, l, 1.0))) * 0.6931471805599453, float("-inf"))
+        o_b = O + b * stride_ob + pid_s * stride_os
+        oc = gl.arange(0, 64, layout=ROWS)[:, None]
+        oh = gl.arange(0, 16, layout=COLS)[None, :]
+        for g in gl.static_range(8):
+            gl.store(o_b + oh * stride_oh + 64 * g + oc, acc[g], mask=(oh < H) & (oc >= 0))
     else:
-        y = _join8((acc[0] - zsum) * inv, (acc[1] - zsum) * inv, (acc[2] - zsum) * inv, (acc[3] - zsum) * inv,
-                   (acc[4] - zsum) * inv, (acc[5] - zsum) * inv, (acc[6] - zsum) * inv, (acc[7] - zsum) * inv)  # fmt: skip
-        _store_out(o_b, gl.convert_layout(gl.reshape(y, [8, 16, 8, 8]), LO2), H, stride_oh, LO2)
+        # accumulators from units of 2^-24 (and of 1/16 for the odd nibbles) to units of 1: the
+        # protected rows below add into them in FP16 units
+        if CB == 4:
+            acc = (acc[0] * 16777216.0, acc[1] * 1048576.0, acc[2] * 16777216.0, acc[3] * 1048576.0)
+        else:  # code j's values were 4^(j mod 4)·n·2^-24
+            acc = (acc[0] * 16777216.0, acc[1] * 4194304.0, acc[2] * 1048576.0, acc[3] * 262144.0,
+                   acc[4] * 16777216.0, acc[5] * 4194304.0, acc[6] * 1048576.0, acc[7] * 262144.0)  # fmt: skip
+        az = az * 16777216.0
+
+        if p_lo < p_hi:  # this split's protected rows
+            prot = PROT + b * stride_pb
+            one = gl.full([BN], 1.0, gl.float32, ROWS)
+            for r0 in range(p_lo, p_hi, BN):
+                _barrier()  # every warp done with the P buffer
+                valid = _prot_valid(r0 + rows, L, SINK, RECENT)
+                x = _prot_scores(prot, r0, valid, qc, qr, CB, ACC, AL, L3A) * (ch * 5.9604644775390625e-08)[None, :]
+                p, m_ref, lacc, acc, az = _softmax(x, valid, m_ref, lacc, acc, az, CB, M2)
+                _store_p(psm, p, (one, one, one, one, one, one, one, one))
+                _barrier()
+                acc = _pv_prot(psm, prot, r0, L, acc, CB, A2, B2, L3B, SINK, RECENT)
+
+        # out: O[h, 64g + (16/CB)·m + j] = (acc_j[g, h, m] − Σ_t p s z [g, h]) / l_h, four consecutive
+        # channels of one (g, h) in each thread (16-byte stores, a warp's two or four heads x 256 B contiguous)
+        l = gl.sum(lacc, axis=0)
+        has = l > 0
+        lse = gl.where(has, (m_ref + gl.log2(gl.where(has, l, 1.0))) * 0.6931471805599453, float("-inf"))
+        inv = gl.convert_layout(1.0 / gl.where(has, l, 1.0), gl.SliceLayout(0, gl.SliceLayout(2, M2)))[None, :, None]
+        nz = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, M2)))
+        zsum = gl.sum(gl.where(nz[None, None, :] == 0, az, 0.0), axis=2)[:, :, None]
+        o_b = O + b * stride_ob + pid_s * stride_os
+        if CB == 4:
+            y = gl.join(gl.join((acc[0] - zsum) * inv, (acc[2] - zsum) * inv),
+                        gl.join((acc[1] - zsum) * inv, (acc[3] - zsum) * inv))  # fmt: skip
+            _store_out(o_b, gl.convert_layout(gl.reshape(y, [8, 16, 16, 4]), LO), H, stride_oh, LO)
+        else:
+            y = _join8((acc[0] - zsum) * inv, (acc[1] - zsum) * inv, (acc[2] - zsum) * inv, (acc[3] - zsum) * inv,
+                       (acc[4] - zsum) * inv, (acc[5] - zsum) * inv, (acc[6] - zsum) * inv, (acc[7] - zsum) * inv)  # fmt: skip
+            _store_out(o_b, gl.convert_layout(gl.reshape(y, [8, 16, 8, 8]), LO2), H, stride_oh, LO2)
     lh = gl.arange(0, 16, layout=COLS)
     if SPLIT:
         gl.store(LSE + (b * H + lh) * gl.num_programs(0) + pid_s, lse, mask=lh < H)
@@ -912,11 +977,12 @@ def decode(
     maximum check (wrong outputs), 4 no L2 prefetch of the protected rows, 5 no unpacking (the code
     words themselves enter both products; C4R4 only), 6 no unpacking for the score products, 7 neither
     product, 8 nothing but the page copies and the loop's barrier, 9 as 8 with boxes of 256-byte rows,
-    10 the whole kernel on such boxes (correct outputs), 11 no protected rows."""
+    10 the whole kernel on such boxes (correct outputs), 11 no protected rows, 12 P·V on wgmma (channels
+    on M, P' from shared memory; without the zero-point column and the protected rows, C4R4 only)."""
     B, H, _ = q.shape
     fmt = layer.fmt
-    if ablate in (5, 6) and fmt.content_bits != 4:
-        raise ValueError("ablations 5 and 6 time C4R4 pages only")
+    if ablate in (5, 6, 12) and fmt.content_bits != 4:
+        raise ValueError("ablations 5, 6 and 12 time C4R4 pages only")
     prot = layer.prot
     prot_per, prot_end = front_share(per, weight, -(-(layer.sink + layer.recent) // 64))
     _exact16_kernel[(splits, B)](
