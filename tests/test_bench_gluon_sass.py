@@ -120,15 +120,16 @@ def test_exact_kernel_compiles_for_hopper_with_one_tile_per_loop_iteration():
 
 
 def test_exact_kernel_timing_variants_leave_out_what_they_say():
-    """The exact kernel's timing-only variants (bench/NOTES.md, v32) at C4R4, compiled for sm_90:
+    """The exact kernel's timing-only variants (bench/NOTES.md, v32, v34) at C4R4, compiled for sm_90:
     without unpacking (5) the page loop keeps every product and loses at least the 288 code words'
     worth of `and`/shift instructions of each product (0.625 per code, 288 codes per thread and
     product: 360 in all; 300 asked); with the copies only (8), and with them in 256-byte rows (9),
-    it keeps its two TMA copies and no product; variant 10 keeps everything."""
+    it keeps its two TMA copies and no product; variant 10 keeps everything; with P·V on wgmma (12)
+    the loop issues the 39 score wgmma plus 8 groups x 4 k-steps for P·V and no mma.sync."""
     pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
     pat = re.compile(r"loop 0: (\d+) instructions, (\d+) HGMMA, (\d+) HMMA, \d+ BSSY, (\d+) local, (\d+) TMA")
     got = {}
-    for ab in (0, 5, 8, 9, 10):
+    for ab in (0, 5, 8, 9, 10, 12):
         r = _compile("bench/gluon_sass.py", "--exact", "--bits", "4", "--ablate", str(ab))
         assert r.returncode == 0, r.stderr[-3000:]
         m = pat.search(r.stdout)
@@ -137,6 +138,27 @@ def test_exact_kernel_timing_variants_leave_out_what_they_say():
     assert got[0][1:] == got[5][1:] == got[10][1:] == (39, 72, 0, 2), got
     assert got[0][0] - got[5][0] >= 300, got
     assert got[8][1:] == got[9][1:] == (0, 0, 0, 2) and got[8][0] < 100, got
+    assert got[12][1:3] == (39 + 32, 0) and got[12][4] == 2, got
+
+
+def test_tensor_core_rate_probe_compiles_with_every_chain():
+    """bench/mma_rate.py's kernels (the tensor-core rate at the exact kernel's product shapes, bench/NOTES.md
+    v34) compiled for sm_90: each loop issues its chains' products, none merged by the compiler (equal
+    chains would be), i.e. a positive multiple of 4 x chains wgmma (four per chain and iteration) or of
+    chains mma.sync per loop body, and no spill."""
+    pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
+    r = _compile("bench/mma_rate.py", "--sass")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = re.findall(
+        r"'kind': '(\w+)', 'N': (\d+), 'chains': (\d+), 'resources': '[^']*', 'hgmma': (\d+), 'hmma': (\d+), "
+        r"'local': (\d+)",
+        r.stdout,
+    )
+    assert len(rows) == 10, r.stdout
+    for kind, _, chains, hgmma, hmma, local in rows:
+        per, other = (int(hgmma), int(hmma)) if kind == "wgmma" else (int(hmma), int(hgmma))
+        step = 4 * int(chains) if kind == "wgmma" else int(chains)
+        assert per > 0 and per % step == 0 and other == 0 and int(local) == 0, r.stdout
 
 
 def test_teacher_forced_kernel_compiles_for_hopper_rounded_and_exact():

@@ -1,0 +1,217 @@
+"""How many tensor-core products an SM retires per cycle at the exact kernel's shapes.
+
+    python bench/mma_rate.py --out DIR          # H200, ~30 s
+    python bench/mma_rate.py --sass             # no GPU: compile each kernel for sm_90, count its loop
+
+The exact decode kernel (quantmla/kernels/exact_decode.py) multiplies with 16 heads on N: per
+64-token tile, 39 ``wgmma.m64n16k16`` for the scores (A from registers, B from shared memory) and
+per warp 72 ``mma.sync.m16n8k16`` for P·V. This script times each instruction alone in a loop, with
+no loads and nothing else to wait for, at 1 to 4 programs (warpgroups) per SM and 1 to 8 independent
+accumulators per warpgroup, and for comparison wgmma at N = 32, 64 and 128:
+
+- ``wgmma``: each accumulator a chain of four products per iteration (as a score group's four
+  nibbles), all chains issued, then one wait;
+- ``mma_sync``: one ``m16n8k16`` per warp and accumulator per iteration, A and B in registers.
+
+Reports per SM: cycles per instruction (at the SM clock read from the device), and the multiply-adds
+per cycle against the dense FP16 peak (989.4 TFLOP/s for H100/H200 SXM at 1.83 GHz: 2048 per SM
+per cycle). Medians of ``triton.testing.do_bench``. Writes ``mmarate-<date>.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+from triton.testing import do_bench
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from decode import run_meta, write_record  # noqa: E402
+
+_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+PEAK_FMA = 2048  # dense FP16 multiply-adds per SM and cycle (H100/H200 SXM)
+
+
+@gluon.jit
+def _chain4(a, b, acc):
+    acc = warpgroup_mma(a, b, acc, is_async=True)
+    acc = warpgroup_mma(a, b, acc, is_async=True)
+    acc = warpgroup_mma(a, b, acc, is_async=True)
+    return warpgroup_mma(a, b, acc, is_async=True)
+
+
+@gluon.jit
+def _wgmma_kernel(OUT, iters, N: gl.constexpr, CHAINS: gl.constexpr):
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
+    AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
+    LB: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [4, 1], [1, 0])
+    r = gl.arange(0, 64, layout=gl.SliceLayout(1, LB))[:, None]
+    c = gl.arange(0, 16, layout=gl.SliceLayout(0, LB))[None, :]
+    a = gl.convert_layout(((r + c + gl.program_id(0)) % 7).to(gl.float16) * 0.001, AL)
+    rn = gl.arange(0, N, layout=gl.SliceLayout(1, LB))[:, None]
+    bs = gl.allocate_shared_memory(gl.float16, [N, 16], gl.NVMMASharedLayout.get_default_for([N, 16], gl.float16))
+    bs.store(((rn * 3 + c) % 5).to(gl.float16) * 0.001)
+    fence_async_shared()
+    _barrier()
+    b = bs.permute((1, 0))
+    z = gl.zeros([64, N], gl.float32, ACC)
+    a0 = z
+    a1 = z + 1.0
+    a2 = z + 2.0
+    a3 = z + 3.0
+    for _ in range(iters):
+        a0 = _chain4(a, b, a0)
+        if CHAINS > 1:
+            a1 = _chain4(a, b, a1)
+        if CHAINS > 2:
+            a2 = _chain4(a, b, a2)
+            a3 = _chain4(a, b, a3)
+        a0, a1, a2, a3 = warpgroup_mma_wait(num_outstanding=0, deps=(a0, a1, a2, a3))
+    tot = gl.sum(gl.sum(a0 + a1 + a2 + a3, axis=1), axis=0)
+    gl.store(OUT + gl.program_id(0), tot)
+
+
+@gluon.jit
+def _mma_kernel(OUT, iters, CHAINS: gl.constexpr):
+    M2: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
+    A2: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=M2, k_width=2)
+    B2: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=M2, k_width=2)
+    LB: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [4, 1], [1, 0])
+    r = gl.arange(0, 64, layout=gl.SliceLayout(1, LB))[:, None]
+    c = gl.arange(0, 16, layout=gl.SliceLayout(0, LB))[None, :]
+    a = gl.convert_layout(((r + c + gl.program_id(0)) % 7).to(gl.float16) * 0.001, A2)
+    rk = gl.arange(0, 16, layout=gl.SliceLayout(1, LB))[:, None]
+    cn = gl.arange(0, 8, layout=gl.SliceLayout(0, LB))[None, :]
+    b = gl.convert_layout(((rk * 3 + cn) % 5).to(gl.float16) * 0.001, B2)
+    z = gl.zeros([64, 8], gl.float32, M2)  # distinct starts: equal chains would be merged by the compiler
+    c0 = z
+    c1 = z + 1.0
+    c2 = z + 2.0
+    c3 = z + 3.0
+    c4 = z + 4.0
+    c5 = z + 5.0
+    c6 = z + 6.0
+    c7 = z + 7.0
+    for _ in range(iters):
+        c0 = mma_v2(a, b, c0)
+        if CHAINS > 1:
+            c1 = mma_v2(a, b, c1)
+        if CHAINS > 2:
+            c2 = mma_v2(a, b, c2)
+            c3 = mma_v2(a, b, c3)
+        if CHAINS > 4:
+            c4 = mma_v2(a, b, c4)
+            c5 = mma_v2(a, b, c5)
+            c6 = mma_v2(a, b, c6)
+            c7 = mma_v2(a, b, c7)
+    tot = gl.sum(gl.sum(c0 + c1 + c2 + c3 + c4 + c5 + c6 + c7, axis=1), axis=0)
+    gl.store(OUT + gl.program_id(0), tot)
+
+
+def rate(kind: str, per_sm: int, chains: int, n: int, sms: int, clock_hz: float) -> dict:
+    """Cycles per instruction per SM (wgmma) or per SM sub-partition (mma.sync, one warp of each program
+    on each), and multiply-adds per SM and cycle."""
+    grid = sms * per_sm
+    out = torch.empty(grid, device="cuda")
+    iters = 4096
+    if kind == "wgmma":
+
+        def go():
+            _wgmma_kernel[(grid,)](out, iters, N=n, CHAINS=chains, num_warps=4)
+
+        per_program = iters * 4 * chains  # wgmma per program (one warpgroup)
+        fma = 64 * n * 16
+    else:
+
+        def go():
+            _mma_kernel[(grid,)](out, iters, CHAINS=chains, num_warps=4)
+
+        per_program = iters * chains  # mma.sync per warp; each program has one warp per sub-partition
+        fma = 16 * 8 * 16 * 4  # per program-instruction: four warps, one m16n8k16 each
+    go()
+    torch.cuda.synchronize()
+    ms = do_bench(go, warmup=10, rep=100, return_mode="median")
+    cycles = ms * 1e-3 * clock_hz
+    instr_per_sm = per_program * per_sm
+    return dict(
+        kind=kind, N=n if kind == "wgmma" else 8, programs_per_sm=per_sm, chains=chains, ms=ms,
+        cycles_per_instruction=cycles / instr_per_sm, fma_per_cycle=instr_per_sm * fma / cycles,
+        of_peak=instr_per_sm * fma / cycles / PEAK_FMA,
+    )  # fmt: skip
+
+
+CASES = [("wgmma", 16, c) for c in (1, 2, 4)] + [("mma_sync", 8, c) for c in (1, 2, 4, 8)]
+CASES += [("wgmma", n, 2) for n in (32, 64, 128)]
+
+
+def sass_counts() -> list[dict]:
+    """Each case compiled for sm_90 without a GPU (Triton's private ``GluonASTSource``, as
+    ``bench/gluon_sass.py``): registers, spills and the HGMMA / HMMA of its main loop (the compiler
+    unrolls it; per iteration of the source loop there must be 4 x chains wgmma or chains mma.sync)."""
+    import triton
+    from gluon_sass import _sass, loops
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    out = []
+    for kind, n, chains in CASES:
+        k = _wgmma_kernel if kind == "wgmma" else _mma_kernel
+        consts = dict(N=n, CHAINS=chains) if kind == "wgmma" else dict(CHAINS=chains)
+        sig = {a: "constexpr" if a in consts else "*fp32" if a == "OUT" else "i32" for a in k.arg_names}
+        c = triton.compile(GluonASTSource(k, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=4))  # fmt: skip
+        sass, res, _ = _sass(c)
+        main = max(loops(sass), key=lambda lp: lp["hgmma"] + lp["hmma"])
+        out.append(dict(kind=kind, N=n, chains=chains, resources=res, hgmma=main["hgmma"], hmma=main["hmma"],
+                        local=main["local"]))  # fmt: skip
+    return out
+
+
+def sm_clock_hz() -> float:
+    """The GPU's maximum SM clock (``nvidia-smi``), 1.98 GHz if it cannot be read."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=clocks.max.sm", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, check=True, timeout=30,
+        )  # fmt: skip
+        return float(out.stdout.split()[0]) * 1e6
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return 1.98e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--sass", action="store_true", help="compile for sm_90 and count, no GPU")
+    a = ap.parse_args()
+    if a.sass:
+        for r in sass_counts():
+            print(r)
+        return
+    stamp = datetime.datetime.now(datetime.UTC)
+    props = torch.cuda.get_device_properties(0)
+    meta = run_meta(props, stamp, "python bench/mma_rate.py " + " ".join(sys.argv[1:]))
+    clock = sm_clock_hz()
+    meta["sm_clock_hz"] = clock
+    meta["timing"] = "triton.testing.do_bench median, plain launches (~1 ms each)"
+    rows = []
+    for kind, n, chains in CASES:
+        for per_sm in (1, 2, 4) if n <= 16 else (2,):
+            rows.append(rate(kind, per_sm, chains, n, props.multi_processor_count, clock))
+            print(rows[-1], flush=True)
+    meta["rows"] = rows
+    write_record(meta, "mmarate", stamp, a.out)
+
+
+if __name__ == "__main__":
+    main()
