@@ -11,7 +11,9 @@ accumulators per warpgroup, and for comparison wgmma at N = 32, 64 and 128:
 
 - ``wgmma``: each accumulator a chain of four products per iteration (as a score group's four
   nibbles), all chains issued, then one wait;
-- ``mma_sync``: one ``m16n8k16`` per warp and accumulator per iteration, A and B in registers.
+- ``mma_sync``: one ``m16n8k16`` per warp and accumulator per iteration, A and B in registers;
+- ``mixed``: two wgmma chains issued, 16 ``mma.sync`` per warp issued while they run, then the wait,
+  against each kind alone in the same loop: whether the two overlap on the tensor cores.
 
 Reports per SM: cycles per instruction (at the SM clock read from the device), and the multiply-adds
 per cycle against the dense FP16 peak (989.4 TFLOP/s for H100/H200 SXM at 1.83 GHz: 2048 per SM
@@ -118,6 +120,73 @@ def _mma_kernel(OUT, iters, CHAINS: gl.constexpr):
     gl.store(OUT + gl.program_id(0), tot)
 
 
+@gluon.jit
+def _mixed_kernel(OUT, iters, W: gl.constexpr, M: gl.constexpr):
+    """Per iteration (``W``) two chains of four ``wgmma.m64n16k16`` issued, (``M``) four chains of four
+    ``mma.sync.m16n8k16`` per warp issued while they run, then the wgmma waited for: with both, whether
+    the two kinds of product overlap on the tensor cores or queue behind each other."""
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
+    AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
+    M2: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
+    A2: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=M2, k_width=2)
+    B2: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=M2, k_width=2)
+    LB: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [4, 1], [1, 0])
+    r = gl.arange(0, 64, layout=gl.SliceLayout(1, LB))[:, None]
+    c = gl.arange(0, 16, layout=gl.SliceLayout(0, LB))[None, :]
+    x = ((r + c + gl.program_id(0)) % 7).to(gl.float16) * 0.001
+    a = gl.convert_layout(x, AL)
+    am = gl.convert_layout(x, A2)
+    rk = gl.arange(0, 16, layout=gl.SliceLayout(1, LB))[:, None]
+    cn = gl.arange(0, 8, layout=gl.SliceLayout(0, LB))[None, :]
+    bm = gl.convert_layout(((rk * 3 + cn) % 5).to(gl.float16) * 0.001, B2)
+    bs = gl.allocate_shared_memory(gl.float16, [16, 16], gl.NVMMASharedLayout.get_default_for([16, 16], gl.float16))
+    bs.store(((rk * 3 + c) % 5).to(gl.float16) * 0.001)
+    fence_async_shared()
+    _barrier()
+    b = bs.permute((1, 0))
+    z = gl.zeros([64, 16], gl.float32, ACC)
+    w0 = z
+    w1 = z + 1.0
+    zm = gl.zeros([64, 8], gl.float32, M2)
+    m0 = zm
+    m1 = zm + 1.0
+    m2 = zm + 2.0
+    m3 = zm + 3.0
+    for _ in range(iters):
+        if W:
+            w0 = _chain4(a, b, w0)
+            w1 = _chain4(a, b, w1)
+        if M:
+            for _k in gl.static_range(4):
+                m0 = mma_v2(am, bm, m0)
+                m1 = mma_v2(am, bm, m1)
+                m2 = mma_v2(am, bm, m2)
+                m3 = mma_v2(am, bm, m3)
+        if W:
+            w0, w1 = warpgroup_mma_wait(num_outstanding=0, deps=(w0, w1))
+    tot = gl.sum(gl.sum(w0 + w1, axis=1), axis=0) + gl.sum(gl.sum(m0 + m1 + m2 + m3, axis=1), axis=0)
+    gl.store(OUT + gl.program_id(0), tot)
+
+
+def mixed(per_sm: int, sms: int, clock_hz: float) -> dict:
+    """:func:`_mixed_kernel`'s time with wgmma only, mma.sync only and both, at ``per_sm`` programs per SM:
+    cycles per iteration (8 wgmma per SM and program, 16 mma.sync per warp)."""
+    grid = sms * per_sm
+    out = torch.empty(grid, device="cuda")
+    iters = 4096
+    row = dict(kind="mixed", programs_per_sm=per_sm, wgmma_per_iteration=8, mma_sync_per_iteration_and_warp=16)
+    for key, w, m in (("wgmma_only", True, False), ("mma_sync_only", False, True), ("both", True, True)):
+
+        def go(w=w, m=m):
+            _mixed_kernel[(grid,)](out, iters, W=w, M=m, num_warps=4)
+
+        go()
+        torch.cuda.synchronize()
+        ms = do_bench(go, warmup=10, rep=100, return_mode="median")
+        row[f"{key}_cycles_per_iteration"] = ms * 1e-3 * clock_hz / iters
+    return row
+
+
 def rate(kind: str, per_sm: int, chains: int, n: int, sms: int, clock_hz: float) -> dict:
     """Cycles per instruction per SM (wgmma) or per SM sub-partition (mma.sync, one warp of each program
     on each), and multiply-adds per SM and cycle."""
@@ -164,9 +233,11 @@ def sass_counts() -> list[dict]:
     from triton.experimental.gluon._runtime import GluonASTSource
 
     out = []
-    for kind, n, chains in CASES:
-        k = _wgmma_kernel if kind == "wgmma" else _mma_kernel
-        consts = dict(N=n, CHAINS=chains) if kind == "wgmma" else dict(CHAINS=chains)
+    for kind, n, chains in CASES + [("mixed", 16, 2)]:
+        k = {"wgmma": _wgmma_kernel, "mma_sync": _mma_kernel, "mixed": _mixed_kernel}[kind]
+        consts = {"wgmma": dict(N=n, CHAINS=chains), "mma_sync": dict(CHAINS=chains), "mixed": dict(W=True, M=True)}[
+            kind
+        ]
         sig = {a: "constexpr" if a in consts else "*fp32" if a == "OUT" else "i32" for a in k.arg_names}
         c = triton.compile(GluonASTSource(k, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=4))  # fmt: skip
@@ -209,6 +280,9 @@ def main() -> None:
         for per_sm in (1, 2, 4) if n <= 16 else (2,):
             rows.append(rate(kind, per_sm, chains, n, props.multi_processor_count, clock))
             print(rows[-1], flush=True)
+    for per_sm in (1, 2):
+        rows.append(mixed(per_sm, props.multi_processor_count, clock))
+        print(rows[-1], flush=True)
     meta["rows"] = rows
     write_record(meta, "mmarate", stamp, a.out)
 

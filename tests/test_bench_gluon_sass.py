@@ -145,7 +145,7 @@ def test_tensor_core_rate_probe_compiles_with_every_chain():
     """bench/mma_rate.py's kernels (the tensor-core rate at the exact kernel's product shapes, bench/NOTES.md
     v34) compiled for sm_90: each loop issues its chains' products, none merged by the compiler (equal
     chains would be), i.e. a positive multiple of 4 x chains wgmma (four per chain and iteration) or of
-    chains mma.sync per loop body, and no spill."""
+    chains mma.sync per loop body, and no spill; the mixed kernel's loop holds both kinds."""
     pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
     r = _compile("bench/mma_rate.py", "--sass")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -154,8 +154,11 @@ def test_tensor_core_rate_probe_compiles_with_every_chain():
         r"'local': (\d+)",
         r.stdout,
     )
-    assert len(rows) == 10, r.stdout
+    assert len(rows) == 11, r.stdout
     for kind, _, chains, hgmma, hmma, local in rows:
+        if kind == "mixed":  # both kinds in one loop body: 8 wgmma and 16 mma.sync per iteration
+            assert int(hgmma) > 0 and int(hgmma) % 8 == 0 and int(hmma) == 2 * int(hgmma) and int(local) == 0, r.stdout
+            continue
         per, other = (int(hgmma), int(hmma)) if kind == "wgmma" else (int(hmma), int(hgmma))
         step = 4 * int(chains) if kind == "wgmma" else int(chains)
         assert per > 0 and per % step == 0 and other == 0 and int(local) == 0, r.stdout
