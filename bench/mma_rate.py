@@ -53,19 +53,46 @@ def _chain4(a, b, acc):
 
 
 @gluon.jit
-def _wgmma_kernel(OUT, iters, N: gl.constexpr, CHAINS: gl.constexpr):
-    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
-    AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
+def _a_values(L: gl.constexpr):
+    """A (64, 16) FP16 operand in layout ``L`` that the compiler cannot fold (it depends on the program id)."""
     LB: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [4, 1], [1, 0])
     r = gl.arange(0, 64, layout=gl.SliceLayout(1, LB))[:, None]
     c = gl.arange(0, 16, layout=gl.SliceLayout(0, LB))[None, :]
-    a = gl.convert_layout(((r + c + gl.program_id(0)) % 7).to(gl.float16) * 0.001, AL)
-    rn = gl.arange(0, N, layout=gl.SliceLayout(1, LB))[:, None]
+    return gl.convert_layout(((r + c + gl.program_id(0)) % 7).to(gl.float16) * 0.001, L)
+
+
+@gluon.jit
+def _b_values(K: gl.constexpr, N: gl.constexpr):
+    """A (K, N) FP16 tile in a blocked layout."""
+    LB: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [4, 1], [1, 0])
+    rk = gl.arange(0, K, layout=gl.SliceLayout(1, LB))[:, None]
+    cn = gl.arange(0, N, layout=gl.SliceLayout(0, LB))[None, :]
+    return ((rk * 3 + cn) % 5).to(gl.float16) * 0.001
+
+
+@gluon.jit
+def _wgmma_operands(N: gl.constexpr, ACC: gl.constexpr):
+    """wgmma's A (64 x 16, registers) and B (16 x N, shared memory, stored N x 16 as the exact kernel's
+    query tiles) for accumulator layout ``ACC``."""
+    a = _a_values(gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2))
     bs = gl.allocate_shared_memory(gl.float16, [N, 16], gl.NVMMASharedLayout.get_default_for([N, 16], gl.float16))
-    bs.store(((rn * 3 + c) % 5).to(gl.float16) * 0.001)
+    bs.store(_b_values(N, 16))
     fence_async_shared()
     _barrier()
-    b = bs.permute((1, 0))
+    return a, bs.permute((1, 0))
+
+
+@gluon.jit
+def _mma_operands(M2: gl.constexpr):
+    """mma.sync's A (64 x 16) and B (16 x 8), both in registers, for accumulator layout ``M2``."""
+    a = _a_values(gl.DotOperandLayout(operand_index=0, parent=M2, k_width=2))
+    return a, gl.convert_layout(_b_values(16, 8), gl.DotOperandLayout(operand_index=1, parent=M2, k_width=2))
+
+
+@gluon.jit
+def _wgmma_kernel(OUT, iters, N: gl.constexpr, CHAINS: gl.constexpr):
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
+    a, b = _wgmma_operands(N, ACC)
     z = gl.zeros([64, N], gl.float32, ACC)
     a0 = z
     a1 = z + 1.0
@@ -86,15 +113,7 @@ def _wgmma_kernel(OUT, iters, N: gl.constexpr, CHAINS: gl.constexpr):
 @gluon.jit
 def _mma_kernel(OUT, iters, CHAINS: gl.constexpr):
     M2: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
-    A2: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=M2, k_width=2)
-    B2: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=M2, k_width=2)
-    LB: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [4, 1], [1, 0])
-    r = gl.arange(0, 64, layout=gl.SliceLayout(1, LB))[:, None]
-    c = gl.arange(0, 16, layout=gl.SliceLayout(0, LB))[None, :]
-    a = gl.convert_layout(((r + c + gl.program_id(0)) % 7).to(gl.float16) * 0.001, A2)
-    rk = gl.arange(0, 16, layout=gl.SliceLayout(1, LB))[:, None]
-    cn = gl.arange(0, 8, layout=gl.SliceLayout(0, LB))[None, :]
-    b = gl.convert_layout(((rk * 3 + cn) % 5).to(gl.float16) * 0.001, B2)
+    a, b = _mma_operands(M2)
     z = gl.zeros([64, 8], gl.float32, M2)  # distinct starts: equal chains would be merged by the compiler
     c0 = z
     c1 = z + 1.0
@@ -126,24 +145,9 @@ def _mixed_kernel(OUT, iters, W: gl.constexpr, M: gl.constexpr):
     ``mma.sync.m16n8k16`` per warp issued while they run, then the wgmma waited for: with both, whether
     the two kinds of product overlap on the tensor cores or queue behind each other."""
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
-    AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
     M2: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
-    A2: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=M2, k_width=2)
-    B2: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=M2, k_width=2)
-    LB: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [4, 1], [1, 0])
-    r = gl.arange(0, 64, layout=gl.SliceLayout(1, LB))[:, None]
-    c = gl.arange(0, 16, layout=gl.SliceLayout(0, LB))[None, :]
-    x = ((r + c + gl.program_id(0)) % 7).to(gl.float16) * 0.001
-    a = gl.convert_layout(x, AL)
-    am = gl.convert_layout(x, A2)
-    rk = gl.arange(0, 16, layout=gl.SliceLayout(1, LB))[:, None]
-    cn = gl.arange(0, 8, layout=gl.SliceLayout(0, LB))[None, :]
-    bm = gl.convert_layout(((rk * 3 + cn) % 5).to(gl.float16) * 0.001, B2)
-    bs = gl.allocate_shared_memory(gl.float16, [16, 16], gl.NVMMASharedLayout.get_default_for([16, 16], gl.float16))
-    bs.store(((rk * 3 + c) % 5).to(gl.float16) * 0.001)
-    fence_async_shared()
-    _barrier()
-    b = bs.permute((1, 0))
+    a, b = _wgmma_operands(16, ACC)
+    am, bm = _mma_operands(M2)
     z = gl.zeros([64, 16], gl.float32, ACC)
     w0 = z
     w1 = z + 1.0
