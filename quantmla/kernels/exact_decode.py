@@ -298,12 +298,18 @@ def _group_scores(a, qc, qr, G: gl.constexpr, ACC: gl.constexpr):
 
 
 @gluon.jit
+def _hilo(x):
+    """``x`` (float32) as an FP16 pair hi + lo."""
+    hi = x.to(gl.float16)
+    return hi, (x - hi.to(gl.float32)).to(gl.float16)
+
+
+@gluon.jit
 def _zero_scores(wz, zb, ACC: gl.constexpr):
     """Issue Σ_g s_tg z_tg · 2^-8 Σ_c q'_hc (the zero-point term of the scores, 2^16 times too large)
     as three FP16 wgmma: A = s·z as a hi/lo pair (64 tokens x 9 groups, zero-padded to 16), B = the
     query sums as a hi/lo pair (``zb`` tiles 0 and 1)."""
-    hi = wz.to(gl.float16)
-    lo = (wz - hi.to(gl.float32)).to(gl.float16)
+    hi, lo = _hilo(wz)
     acc = gl.zeros([64, 16], gl.float32, ACC)
     acc = warpgroup_mma(hi, zb.index(0).permute((1, 0)), acc, use_acc=False, is_async=True)
     acc = warpgroup_mma(lo, zb.index(0).permute((1, 0)), acc, is_async=True)
@@ -391,8 +397,7 @@ def _scores_mma(xs, qc, qr, zb, s, sr, wz, CB: gl.constexpr, AL: gl.constexpr, A
     """:func:`_scores` with every product on mma.sync: no wgmma in the page loop, so its products and P·V's
     are of one kind (wgmma and mma.sync issued together run slower than one after the other, bench/NOTES.md
     v34), and no waits between the groups for the compiler to schedule around."""
-    hi = wz.to(gl.float16)
-    lo = (wz - hi.to(gl.float32)).to(gl.float16)
+    hi, lo = _hilo(wz)
     z = gl.zeros([64, 16], gl.float32, MV2)
     z = _mma_step(hi, zb.index(0), z)
     z = _mma_step(lo, zb.index(0), z)
@@ -755,6 +760,15 @@ def _pv_wgmma(psm, cst, acc, AL: gl.constexpr):
 
 
 @gluon.jit
+def _lse(lacc, m_ref):
+    """The softmax's denominators per head (the sum of P over the accumulated tiles ``lacc``), whether any
+    row counted, and the LSE (natural log) against the running maximum ``m_ref`` (log2 units)."""
+    l = gl.sum(lacc, axis=0)
+    has = l > 0
+    return l, has, gl.where(has, (m_ref + gl.log2(gl.where(has, l, 1.0))) * 0.6931471805599453, float("-inf"))
+
+
+@gluon.jit
 def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, DC, DM,
                     H, stride_qb, stride_qh, stride_rb, stride_rh, stride_pb,
                     stride_ob, stride_oh, stride_os, stride_bt, tiles_per_split, prot_per, prot_end, qk_scale,
@@ -950,9 +964,7 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, DC, DM,
 
     if WG:  # timing only: each group's accumulator as 64 output channels (values wrong)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=acc)
-        l = gl.sum(lacc, axis=0)
-        has = l > 0
-        lse = gl.where(has, (m_ref + gl.log2(gl.where(has, l, 1.0))) * 0.6931471805599453, float("-inf"))
+        l, has, lse = _lse(lacc, m_ref)
         o_b = O + b * stride_ob + pid_s * stride_os
         oc = gl.arange(0, 64, layout=ROWS)[:, None]
         oh = gl.arange(0, 16, layout=COLS)[None, :]
@@ -982,9 +994,7 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, DC, DM,
 
         # out: O[h, 64g + (16/CB)·m + j] = (acc_j[g, h, m] − Σ_t p s z [g, h]) / l_h, four consecutive
         # channels of one (g, h) in each thread (16-byte stores, a warp's two or four heads x 256 B contiguous)
-        l = gl.sum(lacc, axis=0)
-        has = l > 0
-        lse = gl.where(has, (m_ref + gl.log2(gl.where(has, l, 1.0))) * 0.6931471805599453, float("-inf"))
+        l, has, lse = _lse(lacc, m_ref)
         inv = gl.convert_layout(1.0 / gl.where(has, l, 1.0), gl.SliceLayout(0, gl.SliceLayout(2, M2)))[None, :, None]
         nz = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, M2)))
         zsum = gl.sum(gl.where(nz[None, None, :] == 0, az, 0.0), axis=2)[:, :, None]
