@@ -10,8 +10,7 @@ poisoned with NaN before each call, against :func:`quantmla.kernels.reference.de
 (BF16-rounded rows) is printed beside it for scale. Also checks that the tensor cores keep FP16
 subnormals (the kernel's codes are subnormal FP16 numbers). Timing: ``bench/decode.py``'s method
 (CUDA-graph replays, L2 flushed, medians) for C16R16, C4R4 with the default kernels, C4R4 with a
-BF16 P, C4R4 exact, C2R4 with the default kernels and C2R4 exact, each exact one also with its
-score products on mma.sync (config ``exact_scores_mma``, checked against float64 too), in one run; then, at each ``--ablate-shape``, the kernel's variants: the
+BF16 P, C4R4 exact, C2R4 with the default kernels and C2R4 exact, in one run; then, at each ``--ablate-shape``, the kernel's variants: the
 running maximum checked by a reduction before P (``late_check=False``) instead of per warp
 beside P', and each stage left out in turn (``ablate`` 1: no P·V, 2: no score products, 3: no
 maximum check, 5: no unpacking in either product, 6: none in the score products, 7: neither
@@ -159,7 +158,7 @@ def main() -> None:
     meta["subnormal_rel_err"] = subnormal_check(gen)
     print("fp16 subnormal product, rel. error:", meta["subnormal_rel_err"], flush=True)
     meta["cases"] = []
-    capped = [None, {"exact_scores_mma": True}] + ([{"maxnreg": args.maxnreg}] if args.maxnreg else [])
+    capped = [None] + ([{"maxnreg": args.maxnreg}] if args.maxnreg else [])
     for cb in (4, 2):
         for H, lengths, splits in CASES:
             for scale in (1.0, 8.0) if lengths == [1000, 67, 5000] and splits == 3 else (1.0,):
@@ -182,9 +181,7 @@ def main() -> None:
             sh = Shape(H, B, L, gen, l2, formats={"c16r16": (16, 16), "c4r4": (4, 4), "c2r4": (2, 4)})
             row = dict(H=H, B=B, L=L)
             timed = (("c16r16", "c16r16", {}), ("c4r4", "c4r4", {}), ("c4r4_bf16p", "c4r4", {"pv_split": False}),
-                     ("c4r4_exact", "c4r4", {"exact": True}), ("c2r4", "c2r4", {}), ("c2r4_exact", "c2r4", {"exact": True}),
-                     ("c4r4_exact_smma", "c4r4", {"exact": True, "exact_scores_mma": True}),
-                     ("c2r4_exact_smma", "c2r4", {"exact": True, "exact_scores_mma": True}))  # fmt: skip
+                     ("c4r4_exact", "c4r4", {"exact": True}), ("c2r4", "c2r4", {}), ("c2r4_exact", "c2r4", {"exact": True}))  # fmt: skip
             if args.maxnreg:
                 timed += tuple((f"{f}_exact_r{args.maxnreg}", f, {"exact": True, "maxnreg": args.maxnreg}) for f in ("c4r4", "c2r4"))  # fmt: skip
             if args.only:

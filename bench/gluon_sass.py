@@ -44,13 +44,11 @@ POINTERS = dict(Q="bf16", QPE="bf16", O="fp32", LSE="fp32", BT="i32", LENS="i64"
 INSTR = re.compile(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)([^;]*);")
 
 
-def compile_sass(
-    bits: int, mma16: bool = False, exact: bool = False, ablate: int = 0, scores_mma: bool = False
-) -> tuple[str, str, int]:
+def compile_sass(bits: int, mma16: bool = False, exact: bool = False, ablate: int = 0) -> tuple[str, str, int]:
     """(SASS text, resource line, shared bytes) of the kernel for ``bits``-bit content codes (or
     of the 16-head register-fed kernel :mod:`quantmla.kernels.mma_decode`, or of the 16-head
     exact-dequantization kernel :mod:`quantmla.kernels.exact_decode`, with its timing-only
-    variant ``ablate``, or with its page tiles' score products on mma.sync, ``scores_mma``)."""
+    variant ``ablate``)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     if exact:
@@ -59,8 +57,7 @@ def compile_sass(
         from quantmla.kernels import PageFormat, exact_decode
 
         k, warps = exact_decode._exact16_kernel, exact_decode.WARPS
-        fmt = PageFormat(bits, 4, 512, 64, 64, torch.bfloat16)
-        consts = exact_decode.constexprs(fmt, 4, 128, True, ablate=ablate, scores_mma=scores_mma)
+        consts = exact_decode.constexprs(PageFormat(bits, 4, 512, 64, 64, torch.bfloat16), 4, 128, True, ablate=ablate)
     elif mma16:
         from quantmla.kernels import mma_decode
 
@@ -186,7 +183,6 @@ def main() -> None:
     ap.add_argument(
         "--ablate", type=int, default=0, help="with --exact: the kernel's timing-only variant (bench/NOTES.md, v32)"
     )
-    ap.add_argument("--scores-mma", action="store_true", help="with --exact: the score products on mma.sync")
     args = ap.parse_args()
     print(f"triton {triton.__version__}, sm_90")
     if args.prefill:
@@ -207,7 +203,7 @@ def main() -> None:
                 print(f"triton C{bits}R4 sink_in_tile0={swap}: {res} shared={shared} B, {len(ops)} HMMA ({kinds})")
         return
     for bits in [4] if args.mma16 else args.bits:
-        sass, res, shared = compile_sass(bits, args.mma16, args.exact, args.ablate, args.scores_mma)
+        sass, res, shared = compile_sass(bits, args.mma16, args.exact, args.ablate)
         if args.keep:
             Path(args.keep).write_text(sass)
         print(f"{'mma16 ' if args.mma16 else 'exact ' if args.exact else ''}C{bits}R4: {res} shared={shared} B")

@@ -119,26 +119,6 @@ def test_exact_kernel_compiles_for_hopper_with_one_tile_per_loop_iteration():
         assert [tuple(map(int, t))[:2] for t in loops] == [(39, 72), (36, 64)], (bits, r.stdout)
 
 
-def test_exact_kernel_with_mma_sync_scores_has_one_kind_of_product_in_its_page_loop():
-    """With ``exact_scores_mma`` the exact kernel's page loop issues no wgmma: per warp and tile the score
-    products as mma.sync (9 groups x 4 k-steps x 2 n-tiles, plus the zero-point term's 3 x 2) beside
-    P·V's 72, 150 HMMA, with no spill in the loop and its two TMA copies, at C4R4 and C2R4; the
-    protected rows' loop keeps its 36 wgmma and 64 HMMA; no more shared memory than two programs per SM
-    allow (the layout conversions into and out of the mma.sync operands are checked trivial when it
-    compiles)."""
-    pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
-    r = _compile("bench/gluon_sass.py", "--exact", "--scores-mma")
-    assert r.returncode == 0, r.stderr[-3000:]
-    for bits in (4, 2):
-        head = re.search(rf"exact C{bits}R4: REG:(\d+) STACK:(\d+) shared=(\d+) B\n((?:  loop.*\n)+)", r.stdout)
-        assert head and int(head.group(3)) <= 227 * 1024 // 2 and int(head.group(2)) <= 64, r.stdout
-        loops = re.findall(
-            r"loop \d+: \d+ instructions, (\d+) HGMMA, (\d+) HMMA, \d+ BSSY, (\d+) local, (\d+) TMA", head.group(4)
-        )
-        assert [tuple(map(int, t)) for t in loops][0] == (0, 72 + 72 + 6, 0, 2), (bits, r.stdout)
-        assert [tuple(map(int, t))[:2] for t in loops][1] == (36, 64), (bits, r.stdout)
-
-
 def test_exact_kernel_timing_variants_leave_out_what_they_say():
     """The exact kernel's timing-only variants (bench/NOTES.md, v32, v34) at C4R4, compiled for sm_90:
     without unpacking (5) the page loop keeps every product and loses at least the 288 code words'

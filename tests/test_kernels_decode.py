@@ -479,7 +479,6 @@ def test_exact_decode_raises_where_its_kernel_does_not_run():
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernels need a Hopper GPU (Gluon has no interpreter)")
 @pytest.mark.parametrize("cb", [4, 2])
-@pytest.mark.parametrize("scores_mma", [False, True], ids=["wgmma", "mma_sync"])
 @pytest.mark.parametrize(
     "H, splits, weight",
     [
@@ -494,11 +493,11 @@ def test_exact_decode_raises_where_its_kernel_does_not_run():
     ],
     ids=str,
 )
-def test_exact_decode_matches_the_exact_reference(H, splits, weight, cb, scores_mma):
-    """The exact-dequantization kernel, its page tiles' score products on wgmma or on mma.sync, against
-    float64 attention over s·(q − z) (reference.decode with exact=True): ragged requests (shorter than
-    the protected rows, not page multiples, empty), one to forty or the default splits, protected tiles
-    weighing 1 to 20 page tiles (at 20, each protected tile a split of its own); every output written; within P's FP16 rounding (1e-3; the
+def test_exact_decode_matches_the_exact_reference(H, splits, weight, cb):
+    """The exact-dequantization kernel against float64 attention over s·(q − z) (reference.decode
+    with exact=True): ragged requests (shorter than the protected rows, not page multiples, empty),
+    one to forty or the default splits, protected tiles weighing 1 to 20 page tiles (at 20, each
+    protected tile a split of its own); every output written; within P's FP16 rounding (1e-3; the
     BF16-rounded rows of the default kernels alone sit ~1e-3 away on such latents), LSE to 1e-5."""
     from quantmla.kernels.triton_decode import default_config, plan
 
@@ -507,7 +506,7 @@ def test_exact_decode_matches_the_exact_reference(H, splits, weight, cb, scores_
     layer, bt, lens, _, _ = filled_layer(PageFormat(cb, 4), lengths, gen)
     q, qp = _queries(len(lengths), H, gen)
     cfg = dict(exact=True) | ({} if splits is None else dict(num_splits=splits))
-    cfg |= ({} if weight is None else dict(prot_weight=weight)) | dict(exact_scores_mma=scores_mma)
+    cfg |= {} if weight is None else dict(prot_weight=weight)
     full = default_config(len(lengths), H, 4000, layer, q.device, cfg)
     assert plan(layer, H, full, q.device, 4000)[0] == "exact"
     o_ref, lse_ref = ref.decode(layer, bt, lens, q, qp, 576**-0.5, exact=True)
@@ -530,11 +529,7 @@ def test_exact_decode_reads_protected_rows_from_the_protection_buffer(cb):
     layer.prot.copy_((torch.randn(layer.prot.shape, generator=gen) * 3 - 1).to(layer.prot.device, layer.prot.dtype))
     o_ref, lse_ref = ref.decode(layer, bt, lens, q, qp, 576**-0.5, exact=True)
     assert all(rel(o_pages[b], o_ref[b]) > 0.1 for b in range(len(lengths)))
-    for cfg in (
-        dict(exact=True, num_splits=1),
-        dict(exact=True, num_splits=3),
-        dict(exact=True, exact_scores_mma=True),
-    ):
+    for cfg in (dict(exact=True, num_splits=1), dict(exact=True, num_splits=3)):
         o, lse = kernels.decode(layer, bt, lens, q, qp, 576**-0.5, "triton", cfg, out=_poisoned(len(lengths), 16))
         assert not torch.isnan(o).any() and not torch.isnan(lse).any()
         assert rel(o, o_ref) < 1e-3 and rel(lse, lse_ref) < 1e-5 and same_inf(lse, lse_ref), cfg

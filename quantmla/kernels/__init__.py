@@ -152,8 +152,6 @@ DECODE_CONFIG = {
     "64-token tiles, sm_90, long enough splits): True by default",
     "prot_weight": "page tiles one protected tile counts for when the exact kernel cuts a request into splits "
     "(default triton_decode.EXACT_PROT_WEIGHT)",
-    "exact_scores_mma": "the exact kernel's page-tile score products on mma.sync instead of wgmma, the same "
-    "values (default triton_decode.EXACT_SCORES_MMA)",
     "mma16_min_tiles": "fewest tiles per split for the register-fed kernel (default triton_decode.MMA16_MIN_TILES)",
     "exact": "attention over the exactly dequantized cache, s·(q − z) without the BF16 rounding of the "
     "reconstructed tile, P in FP16: the exact_decode Gluon kernel (C4R4 or C2R4 in BF16, <= 16 heads, sm_90); "

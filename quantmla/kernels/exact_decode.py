@@ -360,54 +360,6 @@ def _tile_words(cst, rst, CB: gl.constexpr, AL: gl.constexpr):
             _content_words(cst, 6, CB, AL), _content_words(cst, 7, CB, AL), rst.load(AL))  # fmt: skip
 
 
-# The score products on mma.sync (config ``exact_scores_mma``): each warp's 16 tokens on M, the 16 heads on N
-# as two m16n8 tiles. The accumulator and the A operand have the same registers as the wgmma's (the layout
-# conversions below move no data), and the B operand (the query tiles) is read per warp with ldmatrix.
-MV2 = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8]))
-AM = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MV2, k_width=2))
-BM = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MV2, k_width=2))
-
-
-@gluon.jit
-def _mma_step(a, qt, acc):
-    """acc += a · qt^T on mma.sync: ``a`` (64, 16) FP16 in the wgmma A layout, ``qt`` a (16 heads, 16) query tile
-    in shared memory."""
-    return mma_v2(gl.convert_layout(a, AM, assert_trivial=True), qt.permute((1, 0)).load(BM), acc)
-
-
-@gluon.jit
-def _group_scores_mma(a, qc, qr, G: gl.constexpr, ACC: gl.constexpr):
-    """:func:`_group_scores` on mma.sync, the group's partial scores returned in ``ACC``."""
-    acc = gl.zeros([64, 16], gl.float32, MV2)
-    if G < 8:
-        acc = _mma_step(a[0], qc.index(G), acc)
-        acc = _mma_step(a[1], qc.index(8 + G), acc)
-        acc = _mma_step(a[2], qc.index(16 + G), acc)
-        acc = _mma_step(a[3], qc.index(24 + G), acc)
-    else:
-        acc = _mma_step(a[0], qr.index(0), acc)
-        acc = _mma_step(a[1], qr.index(1), acc)
-        acc = _mma_step(a[2], qr.index(2), acc)
-        acc = _mma_step(a[3], qr.index(3), acc)
-    return gl.convert_layout(acc, ACC, assert_trivial=True)
-
-
-@gluon.jit
-def _scores_mma(xs, qc, qr, zb, s, sr, wz, CB: gl.constexpr, AL: gl.constexpr, ACC: gl.constexpr):
-    """:func:`_scores` with every product on mma.sync: no wgmma in the page loop, so its products and P·V's
-    are of one kind (wgmma and mma.sync issued together run slower than one after the other, bench/NOTES.md
-    v34), and no waits between the groups for the compiler to schedule around."""
-    hi, lo = _hilo(wz)
-    z = gl.zeros([64, 16], gl.float32, MV2)
-    z = _mma_step(hi, zb.index(0), z)
-    z = _mma_step(lo, zb.index(0), z)
-    zacc = gl.convert_layout(_mma_step(hi, zb.index(1), z), ACC, assert_trivial=True)
-    tot = gl.zeros([64, 16], gl.float32, ACC)
-    for g in gl.static_range(8):
-        tot = tot + s[g][:, None] * _group_scores_mma(_a_operands(xs[g], CB, AL), qc, qr, g, ACC)
-    return tot + sr[:, None] * _group_scores_mma(_unpack4(xs[8]), qc, qr, 8, ACC) - zacc * 1.52587890625e-05
-
-
 @gluon.jit
 def _scores(xs, qc, qr, zb, s, sr, wz, CB: gl.constexpr, AL: gl.constexpr, ACC: gl.constexpr, RAW: gl.constexpr):
     """Σ_g s_tg (Σ_c n_tc q'_hc 2^-24 − z_tg Σ_c q'_hc 2^-24) for the page tile whose code words are
@@ -775,7 +727,7 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, DC, DM,
                     PAGE_BYTES: gl.constexpr, R_OFF: gl.constexpr, S_OFF: gl.constexpr, RS_OFF: gl.constexpr,
                     Z_OFF: gl.constexpr, RZ_OFF: gl.constexpr,
                     SINK: gl.constexpr, RECENT: gl.constexpr, SPLIT: gl.constexpr, CHECK_LATE: gl.constexpr,
-                    ABL: gl.constexpr, CB: gl.constexpr, WIDE: gl.constexpr, SMMA: gl.constexpr):  # fmt: skip
+                    ABL: gl.constexpr, CB: gl.constexpr, WIDE: gl.constexpr):  # fmt: skip
     BN: gl.constexpr = 64
     NS: gl.constexpr = STAGES
     AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
@@ -921,10 +873,7 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, DC, DM,
                 x = gl.zeros([64, 16], gl.float32, ACC)
             else:
                 xs = _tile_words(cst, rst, CB, AL)
-                if SMMA:
-                    x = _scores_mma(xs, qc, qr, zb, s8, sr, wz, CB, AL, ACC) * ch[None, :]
-                else:
-                    x = _scores(xs, qc, qr, zb, s8, sr, wz, CB, AL, ACC, (ABL == 5) or (ABL == 6)) * ch[None, :]
+                x = _scores(xs, qc, qr, zb, s8, sr, wz, CB, AL, ACC, (ABL == 5) or (ABL == 6)) * ch[None, :]
             # P·V's code words while the softmax runs (the tile is in shared memory since the loop's barrier)
             words = _pv_words(cst, CB, B2)
             if CHECK_LATE:
@@ -1029,7 +978,6 @@ def decode(
     late_check: bool = True,
     ablate: int = 0,
     weight: int = 1,
-    scores_mma: bool = False,
 ) -> None:
     """Launch over ``splits`` splits of ``per`` work units each (:func:`.triton_decode.front_split_work`:
     sink and ring as three tiles of ``weight`` units each, first, then the page tiles of one unit
@@ -1041,8 +989,7 @@ def decode(
     words themselves enter both products; C4R4 only), 6 no unpacking for the score products, 7 neither
     product, 8 nothing but the page copies and the loop's barrier, 9 as 8 with boxes of 256-byte rows,
     10 the whole kernel on such boxes (correct outputs), 11 no protected rows, 12 P·V on wgmma (channels
-    on M, P' from shared memory; without the zero-point column and the protected rows, C4R4 only).
-    ``scores_mma``: the page tiles' score products on mma.sync instead of wgmma (the same values)."""
+    on M, P' from shared memory; without the zero-point column and the protected rows, C4R4 only)."""
     B, H, _ = q.shape
     fmt = layer.fmt
     if ablate in (5, 6, 12) and fmt.content_bits != 4:
@@ -1053,7 +1000,7 @@ def decode(
         q, qpe, o, lse, block_table, lengths, prot, *descriptors(layer.pool, fmt.content_bits, ablate in (9, 10)),
         H, q.stride(0), q.stride(1), qpe.stride(0), qpe.stride(1), prot.stride(0),
         o.stride(0), o.stride(1), o.stride(2), block_table.stride(0), per, prot_per, prot_end, tau * LOG2E,
-        **constexprs(fmt, layer.sink, layer.recent, splits > 1, late_check, ablate, scores_mma),
+        **constexprs(fmt, layer.sink, layer.recent, splits > 1, late_check, ablate),
         num_warps=WARPS, maxnreg=maxnreg,
     )  # fmt: skip
 
@@ -1092,9 +1039,7 @@ def descriptors(pool: torch.Tensor, cb: int, wide: bool = False) -> tuple:
     return tuple(out)
 
 
-def constexprs(
-    fmt, sink: int, recent: int, split: bool, late_check: bool = True, ablate: int = 0, scores_mma: bool = False
-) -> dict:
+def constexprs(fmt, sink: int, recent: int, split: bool, late_check: bool = True, ablate: int = 0) -> dict:
     """The kernel's compile-time arguments for pages of ``fmt`` (also what ``bench/gluon_sass.py
     --exact`` compiles for sm_90 without a GPU)."""
     regions = dict(R_OFF="R_codes", S_OFF="C_scale", RS_OFF="R_scale", Z_OFF="C_zero", RZ_OFF="R_zero")
@@ -1108,7 +1053,7 @@ def constexprs(
     return dict(
         PAGE_BYTES=fmt.page_bytes, **off,
         SINK=sink, RECENT=recent, SPLIT=split, CHECK_LATE=late_check, ABL=ablate, CB=fmt.content_bits,
-        WIDE=ablate in (9, 10), SMMA=scores_mma,
+        WIDE=ablate in (9, 10),
     )  # fmt: skip
 
 

@@ -530,17 +530,11 @@ def split_work(layer, max_len: int, block_n: int, num_splits: int, sink_in_tile0
 
 
 EXACT_PROT_WEIGHT = 5  # page tiles one protected tile weighs in the exact kernel's splits (bench/NOTES.md, v33)
-EXACT_SCORES_MMA = False  # the exact kernel's page-tile score products on mma.sync (bench/NOTES.md, v35)
 
 
 def prot_weight(cfg: dict) -> int:
     """The weight of a protected tile in the exact kernel's splits under decode config ``cfg``."""
     return int(cfg.get("prot_weight", EXACT_PROT_WEIGHT))
-
-
-def exact_scores_mma(cfg: dict) -> bool:
-    """Whether the exact kernel takes its page tiles' score products on mma.sync (config ``exact_scores_mma``)."""
-    return bool(cfg.get("exact_scores_mma", EXACT_SCORES_MMA))
 
 
 def front_share(per: int, weight: int, k: int) -> tuple[int, int]:
@@ -728,7 +722,7 @@ def launch(pl: Plan, layer, block_table, lengths, q, qpe, op, lsep, tau: float, 
     kernel, splits, per, sink_in_tile0 = pl
     args = (layer, block_table, lengths, q, qpe, op, lsep, tau, splits, per)
     if kernel == "exact":
-        _exact().decode(*args, cfg.get("maxnreg"), weight=prot_weight(cfg), scores_mma=exact_scores_mma(cfg))
+        _exact().decode(*args, cfg.get("maxnreg"), weight=prot_weight(cfg))
     elif kernel == "gluon":
         _gluon().decode(*args)
     elif kernel == "mma16":
