@@ -180,3 +180,24 @@ def test_teacher_forced_kernel_compiles_for_hopper_rounded_and_exact():
             assert m and int(m.group(2)) > 0 and m.group(3) == f"{m.group(2)} HMMA.16816.F32.BF16", r.stdout
             if exact == "True":
                 assert int(m.group(1)) <= 227 * 1024 // 2, r.stdout
+
+
+def test_role_split_probe_compiles_with_its_partitions():
+    """bench/prototypes/ws_exact.py (the exact decode with its warps split by role, bench/NOTES.md v36)
+    compiles for sm_90 into warp-specialized partitions (registers reallocated with ``USETMAXREG``):
+    a P·V loop of one tile's 72 mma.sync per warp and no wgmma or spill, and score loops of one tile's
+    39 wgmma and no mma.sync; its timing-only variant 12 has P·V as 32 wgmma and no mma.sync at all."""
+    pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
+    r = _compile("bench/prototypes/ws_exact.py")
+    assert r.returncode == 0, r.stderr[-3000:]
+    found = dict(re.findall(r"VARIANT 4:168:4 ablate (\d+): (.*)", r.stdout))
+    assert set(found) == {"0", "12"}, r.stdout
+    for ablate, line in found.items():
+        shared = int(re.search(r"shared=(\d+)", line).group(1))
+        assert shared <= 227 * 1024 and int(re.search(r"USETMAXREG=(\d+)", line).group(1)) > 0, line
+        body = [tuple(map(int, t)) for t in re.findall(r"\((\d+), (\d+), (\d+), (\d+)\)", line)]
+        pv = (0, 72, 0) if ablate == "0" else (32, 0, 0)
+        assert body[0][1:] == pv, line  # the default partition's loop comes first
+        assert any(g == 39 and h == 0 for _, g, h, _ in body[1:]), line
+        if ablate == "12":
+            assert all(h == 0 for _, _, h, _ in body), line
