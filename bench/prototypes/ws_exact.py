@@ -44,7 +44,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from quantmla.kernels.exact_decode import (  # noqa: E402
     ACC,
     L3Z,
-    L8,
     LA8,
     LAZY,
     LOG2E,
@@ -52,8 +51,6 @@ from quantmla.kernels.exact_decode import (  # noqa: E402
     NV32,
     NV32_3,
     _barrier,
-    _cols8,
-    _cols16,
     _copy_tile,
     _mma_each,
     _pv_wgmma,
@@ -62,6 +59,7 @@ from quantmla.kernels.exact_decode import (  # noqa: E402
     _scores,
     _store_out,
     _store_p,
+    _tile_meta,
     _tile_words,
     _unpack,
     _view,
@@ -84,8 +82,6 @@ def _score_part(cs, ms, ztm, psm, pm, mg, fin, chs, qc, qr, zb, bc, bm, pready, 
     ROWS: gl.constexpr = gl.SliceLayout(1, ACC)
     COLS: gl.constexpr = gl.SliceLayout(0, ACC)
     SW: gl.constexpr = gl.SwizzledSharedLayout(8, 4, 2, order=[1, 0])
-    P2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-    P1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
     if which == 0:  # the queries' tiles for both score warpgroups
         kq = _queries(Qb, stride_qh, Rb, stride_rh, H, qc, qr, zb, 4)
         chs.store(gl.convert_layout(qk_scale * ((151 - kq) << 23).to(gl.float32, bitcast=True), COLS))
@@ -112,24 +108,9 @@ def _score_part(cs, ms, ztm, psm, pm, mg, fin, chs, qc, qr, zb, bc, bm, pready, 
             mbarrier.wait(pempty.index(which), (k & 1) ^ 1)
         else:
             cst = _view(cs.index(st), gl.int16, [512, 16], SW)
-            mt = ms.index(st)
-            rst = _view(mt.slice(0, 64), gl.int16, [64, 16], P2)
-            mb = _view(mt.slice(64, 64), gl.uint8, [2048], P1)
-            sst = _view(mb.slice(0, 1024), gl.bfloat16, [64, 8], P2)
-            zst = _view(mb.slice(Z_OFF - S_OFF, 512), gl.uint8, [64, 8], P2)
-            rsst = _view(mb.slice(RS_OFF - S_OFF, 256), gl.float32, [64], P1)
-            rzst = _view(mb.slice(RZ_OFF - S_OFF, 64), gl.uint8, [64], P1)
             tok = t * BN + rows
             valid = (tok >= SINK) & (tok < low_hi)
-            v8 = gl.convert_layout(valid, gl.SliceLayout(1, L8), assert_trivial=True)[:, None]
-            s8 = _cols8(gl.where(v8, sst.load(L8).to(gl.float32), 0.0), ROWS)
-            sr = gl.where(valid, rsst.load(ROWS), 0.0)
-            za = zst.load(LA8)
-            va = gl.convert_layout(valid, gl.SliceLayout(1, LA8), assert_trivial=True)[:, None]
-            wr = gl.convert_layout(sr * rzst.load(ROWS).to(gl.float32), gl.SliceLayout(1, LA8), assert_trivial=True)
-            wc = gl.where(va, sst.load(LA8).to(gl.float32), 0.0) * za.to(gl.float32)
-            wz = gl.convert_layout(_cols16(wc, gl.where(c8 == 0, wr[:, None], 0.0)), AL, assert_trivial=True)
-            zc = gl.convert_layout(za.to(gl.int16), gl.SliceLayout(2, L3Z), assert_trivial=True)[:, :, None]
+            rst, s8, sr, wz, zc = _tile_meta(ms.index(st), valid, c8, S_OFF, Z_OFF, RS_OFF, RZ_OFF, AL)
             if (ABL == 2) or (ABL == 3):  # timing only: no score products
                 x = gl.zeros([64, 16], gl.float32, ACC) + ch[None, :]
             else:
@@ -163,7 +144,54 @@ def _score_part(cs, ms, ztm, psm, pm, mg, fin, chs, qc, qr, zb, bc, bm, pready, 
 
 
 @gluon.jit
+def _pv_part_wg(cs, ms, ztm, psm, pm, bc, bm, pready, pempty, DC, DM, bt_row, t_lo, t_hi,
+                NS: gl.constexpr, PAGE_BYTES: gl.constexpr, R_OFF: gl.constexpr, ABL: gl.constexpr, M2: gl.constexpr):  # fmt: skip
+    """Timing only (ablation 12): :func:`_pv_part` with P·V as 32 wgmma per tile (channels on M, P' from
+    shared memory as B; the A operands are the score phase's nibble tensors, so the values are wrong,
+    and there is no zero-point column and no rescaling): one kind of product on the SM."""
+    AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
+    a0 = gl.zeros([64, 16], gl.float32, ACC)
+    acc = (a0, a0, a0, a0, a0, a0, a0, a0)
+    pn = gl.load(bt_row + gl.minimum(t_lo + NS, t_hi - 1), mask=t_lo < t_hi, other=0)
+    for t in range(t_lo, t_hi):
+        it = t - t_lo
+        st = it % NS
+        w = it % 2
+        page = pn
+        pn = gl.load(bt_row + gl.minimum(t + NS + 1, t_hi - 1))
+        mbarrier.wait(bc.index(st), (it // NS) & 1)
+        mbarrier.wait(pready.index(w), (it // 2) & 1)
+        acc = _pv_wgmma(
+            psm.index(w),
+            _view(cs.index(st), gl.int16, [512, 16], gl.SwizzledSharedLayout(8, 4, 2, order=[1, 0])),
+            acc,
+            AL,
+        )
+        _barrier()
+        mbarrier.arrive(pempty.index(w))
+        if t + NS < t_hi:
+            fence_async_shared()
+            _copy_tile(
+                DC, DM, cs.index(st), ms.index(st), bc.index(st), bm.index(st), page, PAGE_BYTES, R_OFF, 4, False
+            )
+    return acc, acc[0], acc[1]  # the shape of :func:`_pv_loop`'s results (accumulators, az, M)
+
+
+@gluon.jit
 def _pv_part(cs, ms, ztm, psm, pm, bc, bm, pready, pempty, DC, DM, bt_row, t_lo, t_hi,
+             NS: gl.constexpr, PAGE_BYTES: gl.constexpr, R_OFF: gl.constexpr, ABL: gl.constexpr, M2: gl.constexpr):  # fmt: skip
+    """The default partition: :func:`_pv_loop`, or for ablation 12 :func:`_pv_part_wg`."""
+    if ABL == 12:
+        res = _pv_part_wg(cs, ms, ztm, psm, pm, bc, bm, pready, pempty, DC, DM, bt_row, t_lo, t_hi, NS, PAGE_BYTES,
+                          R_OFF, ABL, M2)  # fmt: skip
+    else:
+        res = _pv_loop(cs, ms, ztm, psm, pm, bc, bm, pready, pempty, DC, DM, bt_row, t_lo, t_hi, NS, PAGE_BYTES,
+                       R_OFF, ABL, M2)  # fmt: skip
+    return res
+
+
+@gluon.jit
+def _pv_loop(cs, ms, ztm, psm, pm, bc, bm, pready, pempty, DC, DM, bt_row, t_lo, t_hi,
              NS: gl.constexpr, PAGE_BYTES: gl.constexpr, R_OFF: gl.constexpr, ABL: gl.constexpr, M2: gl.constexpr):  # fmt: skip
     """The P·V warpgroup: every tile in order, then the copy of the tile NS ahead into its stage."""
     A2: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=M2, k_width=2)
@@ -217,40 +245,6 @@ def _pv_part(cs, ms, ztm, psm, pm, bc, bm, pready, pempty, DC, DM, bt_row, t_lo,
                 DC, DM, cs.index(st), ms.index(st), bc.index(st), bm.index(st), page, PAGE_BYTES, R_OFF, 4, False
             )
     return acc, az, M
-
-
-@gluon.jit
-def _pv_part_wg(cs, ms, ztm, psm, pm, bc, bm, pready, pempty, DC, DM, bt_row, t_lo, t_hi,
-                NS: gl.constexpr, PAGE_BYTES: gl.constexpr, R_OFF: gl.constexpr, ABL: gl.constexpr, M2: gl.constexpr):  # fmt: skip
-    """Timing only (ablation 12): :func:`_pv_part` with P·V as 32 wgmma per tile (channels on M, P' from
-    shared memory as B; the A operands are the score phase's nibble tensors, so the values are wrong,
-    and there is no zero-point column and no rescaling): one kind of product on the SM."""
-    AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
-    a0 = gl.zeros([64, 16], gl.float32, ACC)
-    acc = (a0, a0, a0, a0, a0, a0, a0, a0)
-    pn = gl.load(bt_row + gl.minimum(t_lo + NS, t_hi - 1), mask=t_lo < t_hi, other=0)
-    for t in range(t_lo, t_hi):
-        it = t - t_lo
-        st = it % NS
-        w = it % 2
-        page = pn
-        pn = gl.load(bt_row + gl.minimum(t + NS + 1, t_hi - 1))
-        mbarrier.wait(bc.index(st), (it // NS) & 1)
-        mbarrier.wait(pready.index(w), (it // 2) & 1)
-        acc = _pv_wgmma(
-            psm.index(w),
-            _view(cs.index(st), gl.int16, [512, 16], gl.SwizzledSharedLayout(8, 4, 2, order=[1, 0])),
-            acc,
-            AL,
-        )
-        _barrier()
-        mbarrier.arrive(pempty.index(w))
-        if t + NS < t_hi:
-            fence_async_shared()
-            _copy_tile(
-                DC, DM, cs.index(st), ms.index(st), bc.index(st), bm.index(st), page, PAGE_BYTES, R_OFF, 4, False
-            )
-    return acc
 
 
 @gluon.jit
@@ -309,25 +303,7 @@ def _ws_kernel(Q, QPE, O, LSE, BT, LENS, DC, DM,
             _copy_tile(DC, DM, cs.index(i), ms.index(i), bc.index(i), bm.index(i), page, PAGE_BYTES, R_OFF, 4, False)
     _barrier()
 
-    if ABL == 12:
-        acc = gl.warp_specialize([
-            (_pv_part_wg, (cs, ms, ztm, psm, pm, bc, bm, pready, pempty, DC, DM, bt_row, t_lo, t_hi, NS, PAGE_BYTES, R_OFF, ABL, M2)),
-            (_score_part, (cs, ms, ztm, psm, pm, mg, fin, chs, qc, qr, zb, bc, bm, pready, pempty, qready, Qb, stride_qh,
-                           Rb, stride_rh, H, qk_scale, t_lo, t_hi, low_hi,
-                           0, NS, SINK, Z_OFF, S_OFF, RS_OFF, RZ_OFF, ABL)),
-            (_score_part, (cs, ms, ztm, psm, pm, mg, fin, chs, qc, qr, zb, bc, bm, pready, pempty, qready, Qb, stride_qh,
-                           Rb, stride_rh, H, qk_scale, t_lo, t_hi, low_hi,
-                           1, NS, SINK, Z_OFF, S_OFF, RS_OFF, RZ_OFF, ABL)),
-        ], [4, 4], [SCORE_REGS, SCORE_REGS])  # fmt: skip
-
-        _barrier()
-        o_b = O + b * stride_ob + pid_s * stride_os
-        oc = gl.arange(0, 64, layout=gl.SliceLayout(1, ACC))[:, None]
-        oh = gl.arange(0, 16, layout=gl.SliceLayout(0, ACC))[None, :]
-        for g in gl.static_range(8):
-            gl.store(o_b + oh * stride_oh + 64 * g + oc, acc[g], mask=(oh < H) & (oc >= 0))
-        return
-    acc, az, M = gl.warp_specialize([
+    res = gl.warp_specialize([
         (_pv_part, (cs, ms, ztm, psm, pm, bc, bm, pready, pempty, DC, DM, bt_row, t_lo, t_hi, NS, PAGE_BYTES, R_OFF, ABL, M2)),
         (_score_part, (cs, ms, ztm, psm, pm, mg, fin, chs, qc, qr, zb, bc, bm, pready, pempty, qready, Qb, stride_qh,
                        Rb, stride_rh, H, qk_scale, t_lo, t_hi, low_hi,
@@ -337,33 +313,40 @@ def _ws_kernel(Q, QPE, O, LSE, BT, LENS, DC, DM,
                        1, NS, SINK, Z_OFF, S_OFF, RS_OFF, RZ_OFF, ABL)),
     ], [4, 4], [SCORE_REGS, SCORE_REGS])  # fmt: skip
     _barrier()
-
-    # the two warpgroups' denominators at the common maximum; the accumulators from M to it
-    m0 = fin.index(0).load(HM)
-    l0 = fin.index(1).load(HM)
-    m1 = fin.index(2).load(HM)
-    l1 = fin.index(3).load(HM)
-    mf = gl.maximum(M, gl.maximum(gl.where(l0 > 0, m0, NEG), gl.where(l1 > 0, m1, NEG)))
-    base = gl.where(mf == NEG, 0.0, mf)
-    l = gl.where(l0 > 0, l0 * gl.exp2(m0 - base), 0.0) + gl.where(l1 > 0, l1 * gl.exp2(m1 - base), 0.0)
-    has = l > 0
-    sa = gl.where(has, gl.exp2(gl.where(M == NEG, base, M) - base) / gl.where(has, l, 1.0), 0.0)
-    acc = (acc[0] * 16777216.0, acc[1] * 1048576.0, acc[2] * 16777216.0, acc[3] * 1048576.0)
-    az = az * 16777216.0
-    inv = sa[None, :, None]
-    nz = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, M2)))
-    zsum = gl.sum(gl.where(nz[None, None, :] == 0, az, 0.0), axis=2)[:, :, None]
-    y = gl.join(
-        gl.join((acc[0] - zsum) * inv, (acc[2] - zsum) * inv), gl.join((acc[1] - zsum) * inv, (acc[3] - zsum) * inv)
-    )
-    o_b = O + b * stride_ob + pid_s * stride_os
-    _store_out(o_b, gl.convert_layout(gl.reshape(y, [8, 16, 16, 4]), LO), H, stride_oh, LO)
-    lse = gl.where(has, (base + gl.log2(gl.where(has, l, 1.0))) * 0.6931471805599453, NEG)
-    lh = gl.arange(0, 16, layout=HM)
-    if SPLIT:
-        gl.store(LSE + (b * H + lh) * gl.num_programs(0) + pid_s, lse, mask=lh < H)
+    acc, az, M = res
+    if ABL == 12:  # timing only: each group's accumulator as 64 output channels (values wrong)
+        o_b = O + b * stride_ob + pid_s * stride_os
+        oc = gl.arange(0, 64, layout=gl.SliceLayout(1, ACC))[:, None]
+        oh = gl.arange(0, 16, layout=gl.SliceLayout(0, ACC))[None, :]
+        for g in gl.static_range(8):
+            gl.store(o_b + oh * stride_oh + 64 * g + oc, acc[g], mask=(oh < H) & (oc >= 0))
     else:
-        gl.store(LSE + b * H + lh, lse, mask=lh < H)
+        # the two warpgroups' denominators at the common maximum; the accumulators from M to it
+        m0 = fin.index(0).load(HM)
+        l0 = fin.index(1).load(HM)
+        m1 = fin.index(2).load(HM)
+        l1 = fin.index(3).load(HM)
+        mf = gl.maximum(M, gl.maximum(gl.where(l0 > 0, m0, NEG), gl.where(l1 > 0, m1, NEG)))
+        base = gl.where(mf == NEG, 0.0, mf)
+        l = gl.where(l0 > 0, l0 * gl.exp2(m0 - base), 0.0) + gl.where(l1 > 0, l1 * gl.exp2(m1 - base), 0.0)
+        has = l > 0
+        sa = gl.where(has, gl.exp2(gl.where(M == NEG, base, M) - base) / gl.where(has, l, 1.0), 0.0)
+        acc = (acc[0] * 16777216.0, acc[1] * 1048576.0, acc[2] * 16777216.0, acc[3] * 1048576.0)
+        az = az * 16777216.0
+        inv = sa[None, :, None]
+        nz = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, M2)))
+        zsum = gl.sum(gl.where(nz[None, None, :] == 0, az, 0.0), axis=2)[:, :, None]
+        y = gl.join(
+            gl.join((acc[0] - zsum) * inv, (acc[2] - zsum) * inv), gl.join((acc[1] - zsum) * inv, (acc[3] - zsum) * inv)
+        )
+        o_b = O + b * stride_ob + pid_s * stride_os
+        _store_out(o_b, gl.convert_layout(gl.reshape(y, [8, 16, 16, 4]), LO), H, stride_oh, LO)
+        lse = gl.where(has, (base + gl.log2(gl.where(has, l, 1.0))) * 0.6931471805599453, NEG)
+        lh = gl.arange(0, 16, layout=HM)
+        if SPLIT:
+            gl.store(LSE + (b * H + lh) * gl.num_programs(0) + pid_s, lse, mask=lh < H)
+        else:
+            gl.store(LSE + b * H + lh, lse, mask=lh < H)
 
 
 MAXNREG = {4: 168, 8: 128}  # 12 or 16 warps in all: what fits the register file of one SM
@@ -433,30 +416,19 @@ def summary(stages: int = 4, score_regs: int = 168, ablate: int = 0, pv_warps: i
     """One line per compiled variant: registers, stack, shared memory, register reallocations
     (``USETMAXREG``: the partitions were formed) and each loop's instructions, HGMMA, HMMA and
     local-memory accesses (``bench/gluon_sass.py``'s loop finder)."""
-    import os
-    import re
-    import subprocess
-    import tempfile
-
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from gluon_sass import loops
+    from gluon_sass import _sass, loops
 
     cc = compile_sm90(stages, score_regs, ablate, pv_warps)
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cc.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-        use = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    sass, res, shared = _sass(cc)
     if keep:
         Path(keep).write_text(sass)
     body = [
         (lp["instructions"], lp["hgmma"], lp["hmma"], lp["local"]) for lp in loops(sass) if lp["instructions"] > 300
     ]
-    res = " ".join(re.findall(r"REG:\d+ STACK:\d+", use))
     return (
         f"VARIANT {stages}:{score_regs}:{pv_warps} ablate {ablate}: {res} "
-        f"shared={cc.metadata.shared} USETMAXREG={sass.count('USETMAXREG')} loops {body}"
+        f"shared={shared} USETMAXREG={sass.count('USETMAXREG')} loops {body}"
     )
 
 

@@ -721,6 +721,41 @@ def _lse(lacc, m_ref):
 
 
 @gluon.jit
+def _tile_meta(mt, valid, c8, S_OFF: gl.constexpr, Z_OFF: gl.constexpr, RS_OFF: gl.constexpr,
+               RZ_OFF: gl.constexpr, AL: gl.constexpr):  # fmt: skip
+    """What a page tile's second box ``mt`` (the RoPE codes, then the metadata) gives the products, for
+    tokens ``valid`` (``c8``: 0..7 along the columns of ``LA8``): the RoPE code words (a view), the
+    content groups' scales per token (eight (64,) tensors) and the RoPE scales, all 0 where not valid;
+    the zero-point term's A operand (s·z per token and group, RoPE in column 8); and the content
+    zero-points as the source of P·V's zero-point column tile."""
+    ROWS: gl.constexpr = gl.SliceLayout(1, ACC)
+    P2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    P1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    rst = _view(mt.slice(0, 64), gl.int16, [64, 16], P2)
+    # the metadata, 2 KB from the content scales (:func:`constexprs` checks these offsets: each region
+    # at a multiple of its size, as slices of shared memory must be)
+    mb = _view(mt.slice(64, 64), gl.uint8, [2048], P1)
+    sst = _view(mb.slice(0, 1024), gl.bfloat16, [64, 8], P2)
+    zst = _view(mb.slice(Z_OFF - S_OFF, 512), gl.uint8, [64, 8], P2)
+    rsst = _view(mb.slice(RS_OFF - S_OFF, 256), gl.float32, [64], P1)
+    rzst = _view(mb.slice(RZ_OFF - S_OFF, 64), gl.uint8, [64], P1)
+    # scales of rows that hold no page token read as 0 (their slots may hold anything): their P'
+    # is then 0, not 0 times a stray NaN
+    v8 = gl.convert_layout(valid, gl.SliceLayout(1, L8), assert_trivial=True)[:, None]
+    s8 = _cols8(gl.where(v8, sst.load(L8).to(gl.float32), 0.0), ROWS)
+    sr = gl.where(valid, rsst.load(ROWS), 0.0)
+    # the zero-point term's A (s·z per token and group, RoPE in column 8) and the zero-point
+    # column tile of P·V (z·2^-24 in column 0 of each group's 8)
+    za = zst.load(LA8)
+    va = gl.convert_layout(valid, gl.SliceLayout(1, LA8), assert_trivial=True)[:, None]
+    wr = gl.convert_layout(sr * rzst.load(ROWS).to(gl.float32), gl.SliceLayout(1, LA8), assert_trivial=True)
+    wc = gl.where(va, sst.load(LA8).to(gl.float32), 0.0) * za.to(gl.float32)
+    wz = gl.convert_layout(_cols16(wc, gl.where(c8 == 0, wr[:, None], 0.0)), AL, assert_trivial=True)
+    zc = gl.convert_layout(za.to(gl.int16), gl.SliceLayout(2, L3Z), assert_trivial=True)[:, :, None]
+    return rst, s8, sr, wz, zc
+
+
+@gluon.jit
 def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, DC, DM,
                     H, stride_qb, stride_qh, stride_rb, stride_rh, stride_pb,
                     stride_ob, stride_oh, stride_os, stride_bt, tiles_per_split, prot_per, prot_end, qk_scale,
@@ -844,30 +879,9 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, DC, DM,
                 cst = _view(cs.index(st), gl.int16, [512, 16], SW)
             else:
                 cst = _view(cs.index(st), gl.int16, [512, 8], P2)
-            mt = ms.index(st)
-            rst = _view(mt.slice(0, 64), gl.int16, [64, 16], P2)
-            # the metadata, 2 KB from the content scales (:func:`constexprs` checks these offsets: each region
-            # at a multiple of its size, as slices of shared memory must be)
-            mb = _view(mt.slice(64, 64), gl.uint8, [2048], P1)
-            sst = _view(mb.slice(0, 1024), gl.bfloat16, [64, 8], P2)
-            zst = _view(mb.slice(Z_OFF - S_OFF, 512), gl.uint8, [64, 8], P2)
-            rsst = _view(mb.slice(RS_OFF - S_OFF, 256), gl.float32, [64], P1)
-            rzst = _view(mb.slice(RZ_OFF - S_OFF, 64), gl.uint8, [64], P1)
             tok = t * BN + rows
             valid = (tok >= SINK) & (tok < low_hi)
-            # scales of rows that hold no page token read as 0 (their slots may hold anything): their P'
-            # is then 0, not 0 times a stray NaN
-            v8 = gl.convert_layout(valid, gl.SliceLayout(1, L8), assert_trivial=True)[:, None]
-            s8 = _cols8(gl.where(v8, sst.load(L8).to(gl.float32), 0.0), ROWS)
-            sr = gl.where(valid, rsst.load(ROWS), 0.0)
-            # the zero-point term's A (s·z per token and group, RoPE in column 8) and the zero-point
-            # column tile of P·V (z·2^-24 in column 0 of each group's 8)
-            za = zst.load(LA8)
-            va = gl.convert_layout(valid, gl.SliceLayout(1, LA8), assert_trivial=True)[:, None]
-            wr = gl.convert_layout(sr * rzst.load(ROWS).to(gl.float32), gl.SliceLayout(1, LA8), assert_trivial=True)
-            wc = gl.where(va, sst.load(LA8).to(gl.float32), 0.0) * za.to(gl.float32)
-            wz = gl.convert_layout(_cols16(wc, gl.where(c8 == 0, wr[:, None], 0.0)), AL, assert_trivial=True)
-            zc = gl.convert_layout(za.to(gl.int16), gl.SliceLayout(2, L3Z), assert_trivial=True)[:, :, None]
+            rst, s8, sr, wz, zc = _tile_meta(ms.index(st), valid, c8, S_OFF, Z_OFF, RS_OFF, RZ_OFF, AL)
             ztm.permute((1, 0, 2)).store(gl.where(n8 == 0, zc, 0).to(gl.float16, bitcast=True))
             if (ABL == 2) or (ABL == 7):  # timing only: no score products
                 x = gl.zeros([64, 16], gl.float32, ACC)
