@@ -58,15 +58,14 @@ def subnormal_check(gen) -> float:
     return float((got - ref).norm() / ref.norm())
 
 
-def case(H, lengths, splits, gen, scale=1.0, cb=4, extra=None, ablate=0):
-    """(rel. error of o, max |lse error|) against the exact reference, the same for the
-    paper-semantics reference, and whether every output was written; C``cb``R4 pages (``ablate``:
-    the kernel launched with that variant through :func:`run`, for variants that keep the outputs)."""
+def ragged_layer(lengths, cb, gen, scale=1.0):
+    """(layer, block table, lengths) of C``cb``R4 pages in shuffled slots, holding the requests of ``lengths``
+    tokens of random latents (times ``scale``) written by the real writer; the slots no token was written
+    to hold random bytes."""
     B = len(lengths)
-    fmt = PageFormat(cb, 4)
     per = max(-(-L // 64) for L in lengths)
-    layer = PagedLayer(fmt, B * per + 3, DEV, batch=B, sink=4, recent=128)
-    layer.pool.random_(0, 256, generator=gen)  # slots no token was written to hold anything
+    layer = PagedLayer(PageFormat(cb, 4), B * per + 3, DEV, batch=B, sink=4, recent=128)
+    layer.pool.random_(0, 256, generator=gen)
     bt = (torch.randperm(B * per + 3, device=DEV, generator=gen)[: B * per]).view(B, per).to(torch.int32)
     lens = torch.tensor(lengths, device=DEV, dtype=torch.int64)
     T = sum(lengths)
@@ -75,6 +74,16 @@ def case(H, lengths, splits, gen, scale=1.0, cb=4, extra=None, ablate=0):
     req = torch.repeat_interleave(torch.arange(B, device=DEV), lens).to(torch.int32)
     pos = torch.cat([torch.arange(L, device=DEV) for L in lengths])
     kernels.write(layer, bt, C, K, req, pos, lens, backend="triton")
+    return layer, bt, lens
+
+
+def case(H, lengths, splits, gen, scale=1.0, cb=4, extra=None, ablate=0):
+    """(rel. error of o, max |lse error|) against the exact reference, the same for the
+    paper-semantics reference, and whether every output was written; C``cb``R4 pages (``ablate``:
+    the kernel launched with that variant through :func:`run`, for variants that keep the outputs)."""
+    B = len(lengths)
+    layer, bt, lens = ragged_layer(lengths, cb, gen, scale)
+    fmt = layer.fmt
     q = torch.randn(B, H, 512, device=DEV, generator=gen)
     qp = torch.randn(B, H, 64, device=DEV, generator=gen)
     out = (torch.full((B, H, 512), float("nan"), device=DEV), torch.full((B, H), float("nan"), device=DEV))

@@ -30,10 +30,9 @@ sys.path.insert(0, str(ROOT / "bench" / "prototypes"))
 
 import ws_exact  # noqa: E402
 from decode import Shape, copy_bandwidth, run_meta, time_calls, write_record  # noqa: E402
-from exact16_check import run  # noqa: E402
+from exact16_check import ragged_layer, run  # noqa: E402
 
-from quantmla import kernels  # noqa: E402
-from quantmla.kernels import PagedLayer, PageFormat, reference, triton_decode  # noqa: E402
+from quantmla.kernels import reference, triton_decode  # noqa: E402
 
 DEV = torch.device("cuda")
 TAU = 576**-0.5
@@ -73,18 +72,7 @@ def case(H, lengths, splits, gen, variants):
     """Errors of the probe and of ``ablate=11`` against :func:`page_reference`, and whether every
     output of the probe was written."""
     B = len(lengths)
-    fmt = PageFormat(4, 4)
-    per = max(-(-L // 64) for L in lengths)
-    layer = PagedLayer(fmt, B * per + 3, DEV, batch=B, sink=4, recent=128)
-    layer.pool.random_(0, 256, generator=gen)
-    bt = (torch.randperm(B * per + 3, device=DEV, generator=gen)[: B * per]).view(B, per).to(torch.int32)
-    lens = torch.tensor(lengths, device=DEV, dtype=torch.int64)
-    T = sum(lengths)
-    C = torch.randn(T, 512, device=DEV, generator=gen).to(torch.bfloat16)
-    K = torch.randn(T, 64, device=DEV, generator=gen).to(torch.bfloat16)
-    req = torch.repeat_interleave(torch.arange(B, device=DEV), lens).to(torch.int32)
-    pos = torch.cat([torch.arange(L, device=DEV) for L in lengths])
-    kernels.write(layer, bt, C, K, req, pos, lens, backend="triton")
+    layer, bt, lens = ragged_layer(lengths, 4, gen)
     q = torch.randn(B, H, 512, device=DEV, generator=gen).bfloat16()
     qp = torch.randn(B, H, 64, device=DEV, generator=gen).bfloat16()
     ro, rl = page_reference(layer, bt, lens, q, qp)
