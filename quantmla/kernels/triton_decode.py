@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from quantmla.kernels import fit
 from quantmla.kernels._tiles import (
     INTERPRET,
     PAGE_TOKENS,
@@ -641,6 +642,15 @@ def uses_mma16(layer, H: int, cfg: dict, device, per: int) -> bool:
     return m is not None and m.applies(layer, H, device)
 
 
+def exact_refusal(layer, H: int, device) -> str | None:
+    """Why the exact kernel cannot take this decode (None when it can)."""
+    try:
+        check_exact(layer, H, device)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def check_exact(layer, H: int, device) -> None:
     """Raise where config ``exact`` cannot be honoured: only :mod:`.exact_decode` computes attention
     over the exactly dequantized cache, for the layers, head counts and devices it takes."""
@@ -703,6 +713,12 @@ def decode(layer, block_table, lengths, q_lat, q_pe, tau: float, config: dict | 
     block_h, block_n = cfg["block_h"], cfg["block_n"]
     if block_h < 16 or block_n < 16 or PAGE % block_n or (block_h & (block_h - 1)):
         raise ValueError(f"decode tiles: block_n must divide {PAGE}, both powers of two of at least 16; got {cfg}")
+    if cfg.get("exact") and (why := exact_refusal(layer, H, dev)):
+        fit.say_once(("exact decode", fmt, H, str(dev)), "exact decode: %s; running the torch reference on %s (slower)",
+                     why, dev)  # fmt: skip
+        from quantmla.kernels import reference
+
+        return reference.decode(layer, block_table, lengths, q_lat, q_pe, tau, None, out, exact=True)
     pl = plan(layer, H, cfg, dev, max_len)
     q = q_lat.to(fmt.dtype).contiguous()
     qpe = q_pe.to(fmt.dtype).contiguous()
@@ -774,9 +790,26 @@ def constexprs(layer, cfg: dict, split: bool, sink_in_tile0: bool) -> dict:
     )
 
 
+FALLBACK = ({"num_stages": 1}, {"block_h": 16}, {"chunks": 1})
+"""Steps down from the tuned tiles, in order, for a device whose shared memory they exceed (none of
+them changes how the context is cut into splits)."""
+
+
 def _launch(layer, block_table, lengths, q, qpe, op, lsep, tau, cfg, splits, per, sink_in_tile0):
     """The Triton decode kernel over ``splits`` splits of ``per`` work tiles (partials into
-    ``op``/``lsep`` when split), the sink in page tile 0 or in the protected tiles."""
+    ``op``/``lsep`` when split), the sink in page tile 0 or in the protected tiles; the tiles step
+    down (:data:`FALLBACK`) where the tuned ones do not fit the GPU."""
+    fmt = layer.fmt
+    tiles = tuple(
+        cfg.get(k) for k in ("block_h", "block_n", "num_warps", "num_stages", "chunks", "pv_split", "maxnreg")
+    )
+    key = (str(q.device), fmt, q.shape[1], layer.prot is not None, splits > 1, sink_in_tile0, tiles)
+    ladder = [cfg] if INTERPRET else fit.smaller(cfg, FALLBACK)
+    fit.launch("decode", key, ladder, lambda c: _launch_one(layer, block_table, lengths, q, qpe, op, lsep, tau, c,
+               splits, per, sink_in_tile0))  # fmt: skip
+
+
+def _launch_one(layer, block_table, lengths, q, qpe, op, lsep, tau, cfg, splits, per, sink_in_tile0):
     B, H, _ = q.shape
     prot = layer.prot if layer.prot is not None else q
     grid = (triton.cdiv(H, cfg["block_h"]), splits, B)

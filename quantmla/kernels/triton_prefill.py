@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from quantmla.kernels import fit
 from quantmla.kernels._tiles import (
     INTERPRET,
     anchor,
@@ -252,7 +253,13 @@ def default_config(H: int, n: int, fmt, quantized: bool, exact: bool = False) ->
         return dict(block_m=64, block_n=64, num_warps=4, num_stages=1)
     if exact:
         return dict(block_m=16, block_n=16, num_warps=4, num_stages=2)
+    if fmt.dtype.itemsize == 4:  # twice the bytes per row: the BF16 tiles ask for ~388 KB of shared memory
+        return dict(block_m=16, block_n=32, num_warps=4, num_stages=1)
     return dict(block_m=32, block_n=64, num_warps=8, num_stages=2)
+
+
+FALLBACK = ({"num_stages": 1}, {"block_n": 32}, {"block_m": 16}, {"block_n": 16}, {"num_warps": 4})
+"""Steps down from the default tiles, in order, for a device whose shared memory they exceed."""
 
 
 def prefill(
@@ -277,10 +284,13 @@ def prefill(
     quant = layer is not None
     fmt = layer.fmt if quant else _Plain(d_c, d_r, dtype)
     exact = bool((config or {}).get("exact")) and quant and dtype != torch.float32  # float32 rows are unrounded
-    cfg = default_config(H, n, fmt, quant, exact) | {k: v for k, v in (config or {}).items() if k != "exact"}
+    given = {k: v for k, v in (config or {}).items() if k != "exact"}
+    cfg = default_config(H, n, fmt, quant, exact) | given
     block_m, block_n = cfg["block_m"], cfg["block_n"]
     if block_n < 16 or block_m < 16 or PAGE % block_n or (block_m & (block_m - 1)):
         raise ValueError(f"prefill tiles: block_n must divide {PAGE}, both powers of two of at least 16; got {cfg}")
+    # tiles the caller did not choose step down until the kernel fits the GPU's shared memory
+    ladder = [cfg] if given or INTERPRET else fit.smaller(cfg, FALLBACK)
     q = q_lat.to(dtype)
     qpe = q_pe.to(dtype)
     if out is not None:
@@ -290,6 +300,16 @@ def prefill(
         lse = torch.empty(B, H, n, dtype=torch.float32, device=q.device)
     if B == 0 or n == 0:
         return o, lse
+    key = (str(q.device), dtype, d_c, d_r, fmt.content_bits, fmt.rope_bits, quant, exact)
+    fit.launch("teacher-forced attention", key, ladder, lambda c: _run(c, q, qpe, o, lse, C, K_P, kv_len, q_len, layer,
+               block_table, fmt, quant, exact, sink, recent, tau))  # fmt: skip
+    return o, lse
+
+
+def _run(cfg, q, qpe, o, lse, C, K_P, kv_len, q_len, layer, block_table, fmt, quant, exact, sink, recent, tau):
+    B, H, n, d_c = q.shape
+    d_r, dtype = K_P.shape[-1], C.dtype
+    block_m, block_n = cfg["block_m"], cfg["block_n"]
     regions = region_args(layer, "C") + region_args(layer, "R") if quant else (C, C, C, C, 0, 0, 0, 0) * 2
     bt = block_table if quant else kv_len
     grid = (triton.cdiv(n * H, block_m), B)
@@ -337,7 +357,6 @@ def prefill(
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
-    return o, lse
 
 
 class _Plain:
