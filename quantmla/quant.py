@@ -68,7 +68,9 @@ def _round(t: torch.Tensor, ste: bool) -> torch.Tensor:
 def _scale(xg: torch.Tensor, m: int, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     xmin = xg.amin(-1, keepdim=True)
     xmax = xg.amax(-1, keepdim=True)
-    s = (xmax - xmin).clamp_min(1e-8) / m
+    # m as a tensor on the data's device: CUDA torch turns division by a Python number into a
+    # multiplication by its reciprocal (1 ulp off for m = 15), and the GPU writer divides exactly
+    s = (xmax - xmin).clamp_min(1e-8) / torch.tensor(float(m), device=xg.device)
     if scale_dtype != torch.float32:
         s = s.to(scale_dtype).float()
     return s, xmin

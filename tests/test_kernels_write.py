@@ -19,7 +19,23 @@ FORMATS = [
     (16, 4, torch.bfloat16),
     (4, 16, torch.bfloat16),
     (4, 4, torch.float32),
+    (2, 4, torch.float16),
 ]
+
+
+def _kind(C, K, kind, gen):
+    """``random`` rows as drawn; ``outliers``: a few channels and tokens 30-300× the rest (the
+    heavy-tailed latents of real MLA models); ``large``: every row scaled to magnitudes in the
+    hundreds, where float32 division by the scale rounds differently from a reciprocal product."""
+    if kind == "outliers":
+        for x in (C, K):
+            ch = torch.randint(0, x.shape[1], (max(1, x.shape[1] // 32),), generator=gen)
+            x[:, ch] *= 30
+            x[torch.randint(0, x.shape[0], (3,), generator=gen)] *= 10
+    elif kind == "large":
+        C.mul_(173.3)
+        K.mul_(97.1)
+    return C, K
 
 
 def _poisoned_pair(fmt, num, B, gen, sink=4, recent=128):
@@ -41,15 +57,25 @@ def _chunk(lengths, gen):
     return req[perm], pos[perm], torch.tensor(lengths)
 
 
-@pytest.mark.parametrize("cb, rb, dtype, d_c", [(*f, 512) for f in FORMATS] + [(4, 4, torch.bfloat16, 384)], ids=str)
-def test_writer_matches_the_quantizer_bit_for_bit(cb, rb, dtype, d_c):
-    gen = torch.Generator().manual_seed(cb * 100 + rb)
+@pytest.mark.parametrize("kind", ["random", "outliers", "large"])
+@pytest.mark.parametrize(
+    "cb, rb, dtype, d_c",
+    [(*f, 512) for f in FORMATS] + [(4, 4, torch.bfloat16, 384), (2, 4, torch.bfloat16, 128)],
+    ids=str,
+)
+def test_writer_matches_the_quantizer_bit_for_bit(cb, rb, dtype, d_c, kind):
+    """Codes, scales and zero-points are the bytes of quant.quantize + quant.pack, whichever device
+    the quantizer runs on: the Triton writer divides with IEEE rounding (div_rn) in the
+    quantizer's order of operations, and quant.quantize divides exactly on CUDA too."""
+    gen = torch.Generator().manual_seed(cb * 100 + rb + len(kind))
     fmt = PageFormat(cb, rb, d_c, 64, 64, dtype)
     lengths = [150, 3, 64]
     bt, num = shuffled_table(3, 3, 2, gen)
     want, got = _poisoned_pair(fmt, num, 3, gen)
     req, pos, lens = _chunk(lengths, gen)
     C, K = latents(len(req), fmt, gen)
+    C, K = _kind(C.float(), K.float(), kind, gen)
+    C, K = C.to(dtype), K.to(dtype)
     ref.write(want, bt, C, K, req, pos, lens)
     kernels.write(
         got, bt.to(DEVICE), C.to(DEVICE), K.to(DEVICE), req.to(DEVICE), pos.to(DEVICE), lens.to(DEVICE), "triton"
@@ -64,10 +90,11 @@ def test_writer_matches_the_quantizer_bit_for_bit(cb, rb, dtype, d_c):
         if bits == 16:
             assert torch.equal(v[f"{path}_rows"][page, slot], x)
             continue
-        q = quantize(x, bits, 64, scale_dtype=sdt)
-        assert torch.equal(v[f"{path}_codes"][page, slot].flatten(-2), pack(q.codes, bits))
-        assert torch.equal(v[f"{path}_scale"][page, slot], q.scale)
-        assert torch.equal(v[f"{path}_zero"][page, slot], q.zero)
+        for dev in {torch.device("cpu"), DEVICE}:  # the quantizer on the CPU and on the kernel's device
+            q = quantize(x.to(dev), bits, 64, scale_dtype=sdt)
+            assert torch.equal(v[f"{path}_codes"][page, slot].flatten(-2), pack(q.codes, bits).cpu()), (path, dev)
+            assert torch.equal(v[f"{path}_scale"][page, slot], q.scale.cpu()), (path, dev)
+            assert torch.equal(v[f"{path}_zero"][page, slot], q.zero.cpu()), (path, dev)
 
 
 def test_protection_buffers_hold_sink_and_latest_recent_rows():
