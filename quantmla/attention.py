@@ -222,8 +222,12 @@ def capture_inputs(model: nn.Module, input_ids: torch.Tensor, **model_kwargs) ->
 def layer_output(layer: LatentAttention, q_nope, q_pe, C, K_P, attention_mask=None, spec: CacheSpec | None = None):
     """Post-``o_proj`` output Y of ``layer`` from given (possibly perturbed) caches.
 
-    Differentiable; ``spec`` defaults to no quantization (the caches are used as given).
+    Differentiable; ``spec`` defaults to no quantization (the caches are used as given). C and
+    K_P may come in different dtypes (a calibration's float32 C_hat beside a BF16 model's K_P):
+    both then enter the core in the wider one, so no precision of the perturbed path is lost.
     """
+    common = torch.promote_types(C.dtype, K_P.dtype)
+    C, K_P = C.to(common), K_P.to(common)
     saved = layer.spec
     layer.spec = spec or CacheSpec(group=saved.group)
     try:

@@ -100,9 +100,7 @@ def plan(cfg: DictConfig) -> Plan:
         spec.check_dims(d_c, d_r)
         backend, device = str(cfg.get("backend", "auto")), resolve_device(str(cfg.device))
         check_backend(backend, device)
-        fmt = PageFormat(spec.content_bits, spec.rope_bits, d_c, d_r, spec.group)  # the cache layout can hold it
-        if spec.exact_rows and device.type == "cuda" and backend != "reference":
-            _check_exact(model, fmt, spec, device)
+        PageFormat(spec.content_bits, spec.rope_bits, d_c, d_r, spec.group)  # the cache layout can hold it
         method.check(spec)
         method.check_dims(d_c, d_r)
         if method.needs_data:
@@ -115,21 +113,6 @@ def plan(cfg: DictConfig) -> Plan:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(msg) from e
     return Plan(cfg, model, method, spec, ev, logger, calibration)
-
-
-def _check_exact(model, fmt, spec, device) -> None:
-    """``exact=true`` on the GPU decodes on the exact kernel: check it takes this model and cache."""
-    from dataclasses import replace
-
-    from quantmla.kernels.triton_decode import check_exact_format
-    from quantmla.models import resolve_dtype
-
-    heads = int(model.hf_config().num_attention_heads)
-    fmt = replace(fmt, dtype=resolve_dtype(str(getattr(model, "dtype", "auto")), device))
-    try:
-        check_exact_format(fmt, spec.protected, heads, device)
-    except ValueError as e:
-        raise ConfigError(f"{e}; backend=reference runs exact=true on any model (float64 torch, slow)") from None
 
 
 def run(cfg: DictConfig) -> dict:

@@ -461,20 +461,29 @@ def test_reference_exact_decode_is_attention_over_the_unrounded_dequantized_cach
     assert rel(o_paper[0], o[0]) > 1e-5
 
 
-def test_exact_decode_raises_where_its_kernel_does_not_run():
-    """Config ``exact`` is only honoured by the exact-dequantization kernel: C4R4 or C2R4 in BF16
-    with protection at up to 16 heads on a Hopper GPU. Elsewhere (the interpreter, C3R4, 17 heads)
-    the call raises with what it needs, before any launch, rather than computing another function."""
+def test_exact_decode_falls_back_to_the_exact_reference_where_its_kernel_does_not_run(caplog):
+    """Config ``exact`` is honoured by the exact-dequantization kernel for C4R4 or C2R4 in BF16 with
+    protection at up to 16 heads on a Hopper GPU. Elsewhere (the interpreter, C3R4, 17 heads) the
+    call computes the same function on the torch reference, says why once in the log, and never
+    returns the rounded attention instead."""
     gen = torch.Generator().manual_seed(3)
-    c4, bt, lens, _, _ = filled_layer(PageFormat(4, 4), [70], gen)
-    c3, bt3, lens3, _, _ = filled_layer(PageFormat(3, 4), [70], gen)
+    c4, bt, lens, _, _ = filled_layer(PageFormat(4, 4), [300], gen)
+    c3, bt3, lens3, _, _ = filled_layer(PageFormat(3, 4), [300], gen)
     q, qp = _queries(1, 17, gen)
-    bad = [(c3, bt3, lens3, q[:, :16], qp[:, :16]), (c4, bt, lens, q, qp)]
+    cases = [(c3, bt3, lens3, q[:, :16], qp[:, :16]), (c4, bt, lens, q, qp)]
     if not _hopper():
-        bad.append((c4, bt, lens, q[:, :16], qp[:, :16]))
-    for layer, t, n, qq, qqp in bad:
-        with pytest.raises(ValueError, match="exact=True"):
+        cases.append((c4, bt, lens, q[:, :16], qp[:, :16]))
+    for layer, t, n, qq, qqp in cases:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="quantmla.kernels"):
+            o, lse = kernels.decode(layer, t, n, qq, qqp, 0.1, "triton", dict(exact=True))
             kernels.decode(layer, t, n, qq, qqp, 0.1, "triton", dict(exact=True))
+        o_ref, lse_ref = ref.decode(layer, t, n, qq, qqp, 0.1, exact=True)
+        assert torch.equal(o.cpu(), o_ref.cpu()) and torch.equal(lse.cpu(), lse_ref.cpu())
+        o_round, _ = ref.decode(layer, t, n, qq, qqp, 0.1)
+        assert rel(o, o_round) > 1e-6  # the exact function, not the rounded one
+        said = [r.getMessage() for r in caplog.records if "exact decode" in r.getMessage()]
+        assert len(said) <= 1 and all("exact=True" in m and "torch reference" in m for m in said)
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernels need a Hopper GPU (Gluon has no interpreter)")
