@@ -73,3 +73,17 @@ def tiny():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+# QUANTMLA_TEST_LOG=FILE: each test's outcome and duration, and each failure's report, appended as
+# it happens, so a run cut short (a job's time limit, a lost machine) keeps what it learned.
+_TEST_LOG = os.environ.get("QUANTMLA_TEST_LOG")
+
+
+def pytest_runtest_logreport(report):
+    if not _TEST_LOG or (report.when != "call" and report.passed):
+        return
+    with open(_TEST_LOG, "a") as f:
+        f.write(f"{report.outcome.upper()} {report.when} {report.duration:.1f}s {report.nodeid}\n")
+        if report.failed:
+            f.write(str(report.longrepr)[-6000:] + "\n")

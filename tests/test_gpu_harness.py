@@ -1,0 +1,146 @@
+"""The harness end to end on CUDA: what runs on the CPU runs on the GPU, through the Triton core.
+
+Every test here needs a CUDA GPU (``pytest -m gpu``; skipped without one). The tiny model is
+built at the paper's shapes (d_c 512, d_r 64, 16 heads) and at the other latent shapes the core
+serves (d_c 384 and 128, 128 heads). Runs go through :func:`quantmla.run.run` with composed
+configs, as ``python -m quantmla.run`` does, and the multirun goes through the command line itself.
+The checks are properties of the results: every job finishes, numbers are finite, the Triton
+core agrees with the torch reference of the same run, and quantization moves perplexity the
+way fewer bits must.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from hydra import compose, initialize_config_dir
+
+from quantmla.run import conf_dir, run
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+PAPER = ("model.layers=4", "model.hidden=1024", "model.heads=16", "model.kv_lora_rank=512",
+         "model.qk_nope_head_dim=128", "model.v_head_dim=128")  # fmt: skip
+SHAPES = {
+    "dc512-h16": PAPER,
+    "dc384-h16": (
+        "model.layers=2",
+        "model.hidden=768",
+        "model.heads=16",
+        "model.kv_lora_rank=384",
+        "model.qk_nope_head_dim=64",
+        "model.v_head_dim=64",
+    ),  # fmt: skip
+    "dc128-h128": (
+        "model.layers=2",
+        "model.hidden=1024",
+        "model.heads=128",
+        "model.kv_lora_rank=128",
+        "model.qk_nope_head_dim=32",
+        "model.v_head_dim=32",
+    ),  # fmt: skip
+}
+PPL = ("eval=ppl", "eval.seq_len=256", "eval.max_tokens=2048", "eval.batch_size=4")
+
+
+def _cfg(tmp_path, *overrides):
+    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
+        return compose(
+            "run",
+            overrides=[
+                "model=tiny",
+                "calibration=quick",
+                "logger=none",
+                "device=cuda",
+                f"runs_dir={tmp_path}",
+                *overrides,
+            ],  # fmt: skip
+        )
+
+
+def _ppl(tmp_path, *overrides) -> float:
+    m = run(_cfg(tmp_path, *PPL, *overrides))
+    assert math.isfinite(m["ppl"]) and m["ppl"] > 1, m
+    return m["ppl"]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_every_dtype_and_latent_shape_runs_and_matches_the_reference(tmp_path, dtype, shape):
+    """RTN at C4R4 with protection, on the Triton core and on the torch reference of the same run:
+    the perplexities agree to the noise of one code flipping (the cache is written bit for bit
+    alike; only the attention's summation order differs), and both sit above C16R16 minus that."""
+    over = (*SHAPES[shape], f"model.dtype={dtype}", "method=rtn")
+    tri = _ppl(tmp_path, *over, "bits=c4r4")
+    refr = _ppl(tmp_path, *over, "bits=c4r4", "backend=reference")
+    full = _ppl(tmp_path, *over, "bits=c16r16")
+    assert abs(tri - refr) / refr < 0.02, (tri, refr)
+    assert tri > full * 0.98, (tri, full)
+
+
+@pytest.mark.parametrize(
+    "bits, protect, exact, dtype",
+    [(b, p, e, "bfloat16") for b in ("c4r4", "c2r4") for p in (True, False) for e in (False, True)]
+    + [("c3r8", True, True, "float32"), ("c4r4", False, True, "float16")],  # any CxRy by bits.name
+    ids=str,
+)
+def test_protect_and_exact_on_every_format(tmp_path, bits, protect, exact, dtype):
+    """Every CxRy with protection on and off and exact on and off runs on the GPU (the exact decode
+    kernel or its fallback, the teacher-forced kernel's hi/lo rows), at the paper's shape."""
+    over = (*SHAPES["dc512-h16"], f"model.dtype={dtype}", "method=rtn", f"bits.name={bits}", f"exact={exact}",
+            f"protect.enabled={protect}")  # fmt: skip
+    tri = _ppl(tmp_path, *over)
+    refr = _ppl(tmp_path, *over, "backend=reference")
+    assert abs(tri - refr) / refr < 0.02, (tri, refr)
+
+
+def test_ruler_and_generation_through_the_paged_cache(tmp_path):
+    """RULER (generate_until through the paged cache, the fused writer and the decode kernel) on a few
+    samples, at C4R4 and C2R4, with exact decoding on the 16-head paper shape."""
+    for bits, exact in (("c4r4", False), ("c2r4", True)):
+        m = run(_cfg(tmp_path, *PAPER, "model.dtype=bfloat16", "method=rtn", f"bits.name={bits}", f"exact={exact}",
+                     "eval=ruler_quick", "eval.lengths=[1024]", "eval.samples=4",
+                     "eval.tasks=[niah_single_1,niah_single_2]"))  # fmt: skip
+        for task in ("niah_single_1", "niah_single_2"):
+            assert 0.0 <= m["results"][task]["1024,none"] <= 1.0
+            assert m["n_samples"][task]["effective"] == 4
+
+
+def test_sensitivity_one_layer(tmp_path):
+    """The dual-path sensitivity probes of one layer at the paper's shape, in float32 on the GPU."""
+    m = run(_cfg(tmp_path, *PAPER, "model.dtype=bfloat16", "eval=sensitivity", "eval.layers=[1]",
+                 "eval.local_layers=[1]", "eval.seeds=[0]", "eval.datasets=[wiki]", "eval.sequences=2",
+                 "eval.seq_len=256", "eval.probes=16", "eval.dtype=float32"))  # fmt: skip
+    text = json.dumps(m)
+    assert "NaN" not in text and "Infinity" not in text
+    assert m, m
+
+
+def test_four_methods_by_three_formats_as_a_multirun(tmp_path):
+    """The command a user types: a Hydra multirun of the four methods × C16R16, C4R4, C2R4 on the
+    tiny model at the paper's shapes in bfloat16. Every job finishes, and for every method fewer
+    content bits never make perplexity much better (C2R4 ≥ C16R16)."""
+    cmd = [sys.executable, "-m", "quantmla.run", "-m", "model=tiny", *PAPER, "model.dtype=bfloat16",
+           "calibration=quick", "logger=none", "device=cuda", f"runs_dir={tmp_path}", *PPL,
+           "method=rtn,smoothquant,quarot,quantmla", "bits=c16r16,c4r4,c2r4"]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    assert r.returncode == 0, r.stderr[-4000:]
+    ppl = {}
+    for f in Path(tmp_path).rglob("metrics.json"):
+        cfg = yaml.safe_load((f.parent / "config.yaml").read_text())
+        ppl[cfg["method"]["name"], cfg["bits"]["name"]] = json.loads(f.read_text())["ppl"]
+    assert len(ppl) == 12, sorted(ppl)
+    assert all(math.isfinite(v) for v in ppl.values()), ppl
+    for method in ("rtn", "smoothquant", "quarot", "quantmla"):
+        assert ppl[method, "c2r4"] > 0.98 * ppl[method, "c16r16"], ppl
