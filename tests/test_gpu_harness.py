@@ -30,27 +30,21 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-PAPER = ("model.layers=4", "model.hidden=1024", "model.heads=16", "model.kv_lora_rank=512",
-         "model.qk_nope_head_dim=128", "model.v_head_dim=128")  # fmt: skip
-SHAPES = {
-    "dc512-h16": PAPER,
-    "dc384-h16": (
-        "model.layers=2",
-        "model.hidden=768",
-        "model.heads=16",
-        "model.kv_lora_rank=384",
-        "model.qk_nope_head_dim=64",
-        "model.v_head_dim=64",
-    ),  # fmt: skip
-    "dc128-h128": (
-        "model.layers=2",
-        "model.hidden=1024",
-        "model.heads=128",
-        "model.kv_lora_rank=128",
-        "model.qk_nope_head_dim=32",
-        "model.v_head_dim=32",
-    ),  # fmt: skip
-}
+
+def _shape(hidden: int, heads: int, d_c: int, nope: int) -> tuple[str, ...]:
+    return (f"model.hidden={hidden}", f"model.heads={heads}", f"model.kv_lora_rank={d_c}",
+            f"model.qk_nope_head_dim={nope}", f"model.v_head_dim={nope}")  # fmt: skip
+
+
+SHAPES = {"dc512-h16": _shape(1024, 16, 512, 128), "dc384-h16": _shape(768, 16, 384, 64),
+          "dc128-h128": _shape(1024, 128, 128, 32)}  # fmt: skip
+PAPER = ("model.layers=4", *SHAPES["dc512-h16"])
+ONE = "model.layers=1"
+"""Backend comparisons use one layer: its latents, hence its codes, are the same bytes on both
+backends, so perplexities differ only by the attention's summation order. With more layers a
+code that flips in one layer moves the next layer's input: a difference of the size of the
+quantization noise itself, not of the kernels."""
+TOL = 5e-3
 PPL = ("eval=ppl", "eval.seq_len=256", "eval.max_tokens=2048", "eval.batch_size=4")
 
 
@@ -78,15 +72,13 @@ def _ppl(tmp_path, *overrides) -> float:
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_every_dtype_and_latent_shape_runs_and_matches_the_reference(tmp_path, dtype, shape):
-    """RTN at C4R4 with protection, on the Triton core and on the torch reference of the same run:
-    the perplexities agree to the noise of one code flipping (the cache is written bit for bit
-    alike; only the attention's summation order differs), and both sit above C16R16 minus that."""
-    over = (*SHAPES[shape], f"model.dtype={dtype}", "method=rtn")
-    tri = _ppl(tmp_path, *over, "bits=c4r4")
-    refr = _ppl(tmp_path, *over, "bits=c4r4", "backend=reference")
-    full = _ppl(tmp_path, *over, "bits=c16r16")
-    assert abs(tri - refr) / refr < 0.02, (tri, refr)
-    assert tri > full * 0.98, (tri, full)
+    """RTN at C4R4 with protection, on the Triton core and on the torch reference of the same run,
+    agree to summation order (see ONE); C16R16 on both agrees too."""
+    over = (ONE, *SHAPES[shape], f"model.dtype={dtype}", "method=rtn")
+    for bits in ("c4r4", "c16r16"):
+        tri = _ppl(tmp_path, *over, f"bits={bits}")
+        refr = _ppl(tmp_path, *over, f"bits={bits}", "backend=reference")
+        assert abs(tri - refr) / refr < TOL, (bits, tri, refr)
 
 
 @pytest.mark.parametrize(
@@ -98,11 +90,11 @@ def test_every_dtype_and_latent_shape_runs_and_matches_the_reference(tmp_path, d
 def test_protect_and_exact_on_every_format(tmp_path, bits, protect, exact, dtype):
     """Every CxRy with protection on and off and exact on and off runs on the GPU (the exact decode
     kernel or its fallback, the teacher-forced kernel's hi/lo rows), at the paper's shape."""
-    over = (*SHAPES["dc512-h16"], f"model.dtype={dtype}", "method=rtn", f"bits.name={bits}", f"exact={exact}",
-            f"protect.enabled={protect}")  # fmt: skip
+    over = (ONE, *SHAPES["dc512-h16"], f"model.dtype={dtype}", "method=rtn", f"bits.name={bits}",
+            f"exact={exact}", f"protect.enabled={protect}")  # fmt: skip
     tri = _ppl(tmp_path, *over)
     refr = _ppl(tmp_path, *over, "backend=reference")
-    assert abs(tri - refr) / refr < 0.02, (tri, refr)
+    assert abs(tri - refr) / refr < TOL, (tri, refr)
 
 
 def test_ruler_and_generation_through_the_paged_cache(tmp_path):
@@ -122,9 +114,23 @@ def test_sensitivity_one_layer(tmp_path):
     m = run(_cfg(tmp_path, *PAPER, "model.dtype=bfloat16", "eval=sensitivity", "eval.layers=[1]",
                  "eval.local_layers=[1]", "eval.seeds=[0]", "eval.datasets=[wiki]", "eval.sequences=2",
                  "eval.seq_len=256", "eval.probes=16", "eval.dtype=float32"))  # fmt: skip
-    text = json.dumps(m)
-    assert "NaN" not in text and "Infinity" not in text
-    assert m, m
+    numbers = list(_leaves(m))
+    assert len(numbers) > 20, m
+    # rank correlations across local points need two points or more: one layer leaves them undefined
+    bad = [(k, v) for k, v in numbers if not math.isfinite(v) and "spearman" not in k]
+    assert not bad, bad
+
+
+def _leaves(x, key=""):
+    """(key, value) of every number in nested metrics."""
+    if isinstance(x, dict):
+        for k, v in x.items():
+            yield from _leaves(v, str(k))
+    elif isinstance(x, list):
+        for v in x:
+            yield from _leaves(v, key)
+    elif isinstance(x, (int, float)) and not isinstance(x, bool):
+        yield key, float(x)
 
 
 def test_four_methods_by_three_formats_as_a_multirun(tmp_path):

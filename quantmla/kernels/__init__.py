@@ -77,6 +77,13 @@ def _impl(backend: str, device: torch.device, what: str, grad: bool = False, dty
     return getattr(importlib.import_module(f"quantmla.kernels.triton_{what}"), what)
 
 
+def traced(*tensors) -> bool:
+    """Whether any tensor is wrapped by a torch.func transform (vmap, grad, vjp, jvp): such tensors
+    have no storage a Triton kernel could read, so ``auto`` takes the reference for them."""
+    is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    return any(t is not None and is_wrapped(t) for t in tensors)
+
+
 def _same_device(*tensors) -> None:
     devs = {t.device for t in tensors if t is not None}
     if len(devs) > 1:
@@ -253,6 +260,7 @@ def prefill(
         check_block_table(block_table, kv_len, layer.num_pages, B)
     _check_out(out, (tuple(q_lat.shape[:3]) + (d_c,), tuple(q_lat.shape[:3])))
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_lat, q_pe, C, K_P))
+    grad = grad or traced(q_lat, q_pe, C, K_P)
     fn = _impl(backend, q_lat.device, "prefill", grad, C.dtype)
     C, K_P = C.contiguous(), K_P.contiguous()
     return fn(q_lat, q_pe, C, K_P, kv_len, q_len, tau, sink, recent, layer, block_table, config, out)
@@ -273,6 +281,8 @@ def attend(q_lat, q_pe, C, K_P, key_valid, spec, tau: float, backend: str = "aut
     B, H, n, d_c = q_lat.shape
     L, d_r = C.shape[1], K_P.shape[-1]
     dev = C.device
+    if backend == "auto" and traced(q_lat, q_pe, C, K_P):
+        backend = "reference"  # under torch.func the pages are written and read by the reference
     if key_valid is None:
         kv_len = torch.full((B,), L, dtype=torch.int64, device=dev)
         q_len = torch.full((B,), n, dtype=torch.int64, device=dev)
