@@ -192,6 +192,33 @@ def test_a_weight_written_while_offloaded_is_what_the_next_forward_loads(store, 
             assert torch.equal(lin.weight, w)
 
 
+def test_a_checkpoint_spread_by_from_pretrained(tmp_path):
+    """A checkpoint folder (the path of hub models and the embedded one) is placed by transformers'
+    ``from_pretrained(device_map="auto", max_memory=...)``: disk-offloaded weights are read from the
+    checkpoint's own files, and fused weights go to memory, never into those files."""
+    from quantmla.models import PretrainedModel
+
+    whole, tok = build(CONFIG)
+    whole.save_pretrained(tmp_path / "ckpt")
+    tok.save_pretrained(tmp_path / "ckpt")
+    files = {f: f.read_bytes() for f in (tmp_path / "ckpt").glob("*.safetensors")}
+    spec = dict(name="local", path=str(tmp_path / "ckpt"), dtype="float32", device_map="auto", max_memory=BUDGET)
+    with pytest.raises(ValueError, match="does not fit in model.max_memory"):
+        PretrainedModel(**spec).load()
+    model, _ = PretrainedModel(**spec, offload_folder=str(tmp_path / "offload")).load()
+    assert "disk" in model.hf_device_map.values()
+    t = LayerTransform(s_C=torch.linspace(0.5, 2.0, CONFIG.kv_lora_rank), theta_P=torch.linspace(0, 3, 32))
+    for m in (model, whole):
+        install(m, CacheSpec.parse("c4r4"))
+        for mla in adapters(m):
+            fuse(mla, t)
+    assert any(offloaded_layers(model))
+    ids = torch.randint(3, 259, (2, 150), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        assert (model(ids).logits - whole(ids).logits).abs().max() <= 1e-5
+    assert all(f.read_bytes() == data for f, data in files.items())
+
+
 def test_fingerprint_reads_offloaded_weights(tmp_path):
     model, whole, _ = spread(tmp_path)
     assert model_fingerprint(model, "tiny") == model_fingerprint(whole, "tiny")
