@@ -85,7 +85,7 @@ class LatentAttention(nn.Module):
             if memo is None or memo[0] is not attention_mask or memo[1] != (C.shape[0], n, L):
                 valid = key_validity(attention_mask, C.shape[0], n, L, C.device)
                 memo = cache.step_validity = (attention_mask, (C.shape[0], n, L), valid)
-            valid = memo[2]
+            valid = memo[2] if memo[2] is None else memo[2].to(C.device)  # layers may sit on other GPUs
             o_lat = cache.attend(self.layer_idx, self.spec, q_lat, q_pe, C, K_P, valid, self.mla.tau, self.backend)
             return self.mla.output(o_lat), None
         if cache is not None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from quantmla import placement
 from quantmla.attention import LatentAttention, capture_inputs, latent_layers, layer_output
 from quantmla.cache import CacheSpec
 from quantmla.mla import MLA
@@ -68,7 +69,8 @@ def batches(ids: torch.Tensor, batch_size: int) -> Iterator[torch.Tensor]:
 
 
 def model_device(model) -> torch.device:
-    return next(model.parameters()).device
+    """Where the model's inputs go (the first GPU of a model spread over several)."""
+    return placement.execution_device(model)
 
 
 def layer_batches(model, ids: torch.Tensor, outputs: bool = True) -> Iterator[LayerBatch]:

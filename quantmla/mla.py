@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from quantmla import placement
+
 _ADAPTERS: dict[type, type[MLA]] = {}
 
 
@@ -123,7 +125,8 @@ class MLA:
     @property
     def gamma(self) -> torch.Tensor:
         """Γ: the effective per-channel scale of the cached latent, C = u Γ."""
-        return self.kv_a_layernorm.weight * self.kv_scale
+        with placement.loaded(self.kv_a_layernorm):
+            return self.kv_a_layernorm.weight * self.kv_scale
 
     @property
     def norm_eps(self) -> float:
@@ -152,7 +155,8 @@ class MLA:
     # ----- absorbed-form weights ------------------------------------------------------------
     def _kv_b(self) -> torch.Tensor:
         d = self.dims
-        return self.kv_b_proj.weight.view(d.H, d.d_nope + d.d_v, d.d_c)
+        with placement.loaded(self.kv_b_proj):  # an offloaded weight: the view keeps the loaded copy
+            return self.kv_b_proj.weight.view(d.H, d.d_nope + d.d_v, d.d_c)
 
     def W_UK(self) -> torch.Tensor:
         """(H, d_nope, d_c): q_lat = q_nope @ W_UK[h] is the absorbed content query."""

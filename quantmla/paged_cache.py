@@ -95,7 +95,8 @@ class LatentCache(Cache):
         self.backend = kernels.check_backend(backend)
         self.pages: list[list[int]] = []
         self.next_page = 0
-        self.block_table: torch.Tensor | None = None
+        self.block_table: torch.Tensor | None = None  # on the host; each device reads its own copy
+        self._tables: dict[torch.device, torch.Tensor] = {}
         self.capacity = 0
         self.batch_hint = batch_size
         # Facts of the current step that every layer shares, computed by the first layer that
@@ -103,16 +104,16 @@ class LatentCache(Cache):
         # (key validity, n, per-request counts of new tokens).
         self.step_validity: tuple | None = None
         self._step_counts: tuple | None = None
-        self._rows: torch.Tensor | None = None
+        self._rows: dict[torch.device, torch.Tensor] = {}
 
     def reset(self) -> None:
         """Empty the cache for a new batch (every layer's pages go; the page numbering restarts)."""
         super().reset()
-        self.pages, self.next_page, self.block_table = [], 0, None
+        self.pages, self.next_page, self.block_table, self._tables = [], 0, None, {}
         self.step_validity = self._step_counts = None
 
     # ----- page allocation (shared by all layers) ----------------------------------------------
-    def _ensure_pages(self, lengths: list[int], device) -> None:
+    def _ensure_pages(self, lengths: list[int]) -> None:
         B = len(lengths)
         if not self.pages:
             self.pages = [[] for _ in range(B)]
@@ -127,7 +128,13 @@ class LatentCache(Cache):
             table = torch.zeros(B, width, dtype=torch.int32)
             for b, p in enumerate(self.pages):
                 table[b, : len(p)] = torch.tensor(p, dtype=torch.int32)
-            self.block_table = table.to(device)
+            self.block_table, self._tables = table, {}
+
+    def _table(self, device: torch.device) -> torch.Tensor:
+        """The block table on ``device`` (layers of a model spread over GPUs each read their own copy)."""
+        if device not in self._tables:
+            self._tables[device] = self.block_table.to(device)
+        return self._tables[device]
 
     def _layer(self, idx: int, spec, C: torch.Tensor, K_P: torch.Tensor) -> LatentCacheLayer:
         layer = self.layers[idx]
@@ -159,15 +166,15 @@ class LatentCache(Cache):
         counts = [n] * B if new_valid is None else self._new_counts(key_valid, new_valid)
         before = list(layer.lengths)
         after = [a + c for a, c in zip(before, counts)]
-        self._ensure_pages(after, C.device)
+        self._ensure_pages(after)
         if layer.paged.num_pages < self.next_page:
             layer.paged.grow(max(self.next_page, 2 * layer.paged.num_pages))
-        paged, bt = layer.paged, self.block_table
+        paged, bt = layer.paged, self._table(C.device)
         layer.columns += n
         if n > 1 and not any(before):
             if new_valid is None:
                 new_valid = torch.ones(B, n, dtype=torch.bool, device=C.device)
-            o = self._prefill(layer, spec, q_lat, q_pe, C, K_P, new_valid, counts, tau, backend)
+            o = self._prefill(layer, bt, spec, q_lat, q_pe, C, K_P, new_valid, counts, tau, backend)
         else:
             # Token by token; the cache built the block table and knows every length on the host,
             # so the core's device-reading checks are skipped and the longest length is passed in.
@@ -202,19 +209,18 @@ class LatentCache(Cache):
         return memo[2]
 
     def _all_rows(self, B: int, device) -> torch.Tensor:
-        if self._rows is None or self._rows.shape[0] != B or self._rows.device != device:
-            self._rows = torch.arange(B, dtype=torch.int32, device=device)
-        return self._rows
+        rows = self._rows.get(device)
+        if rows is None or rows.shape[0] != B:
+            rows = self._rows[device] = torch.arange(B, dtype=torch.int32, device=device)
+        return rows
 
-    def _prefill(self, layer, spec, q_lat, q_pe, C, K_P, new_valid, counts, tau, backend):
+    def _prefill(self, layer, bt, spec, q_lat, q_pe, C, K_P, new_valid, counts, tau, backend):
         B, n = new_valid.shape
         dev = C.device
         kv_len = torch.tensor(counts, dtype=torch.int64, device=dev)
         pos = (new_valid.cumsum(1) - 1)[new_valid]
         req = torch.arange(B, device=dev).unsqueeze(1).expand(B, n)[new_valid].to(torch.int32)
-        kernels.write(
-            layer.paged, self.block_table, C[new_valid], K_P[new_valid], req, pos, kv_len, backend, validate=False
-        )
+        kernels.write(layer.paged, bt, C[new_valid], K_P[new_valid], req, pos, kv_len, backend, validate=False)
         layer.lengths_dev = kv_len.clone()
         sink, recent = (spec.sink, spec.recent) if spec.protect else (0, 0)
         if not spec.quantized:
@@ -229,9 +235,7 @@ class LatentCache(Cache):
         qc = q_lat.gather(2, order[:, None, :, None].expand(B, H, n, q_lat.shape[-1]))
         qpc = q_pe.gather(2, order[:, None, :, None].expand(B, H, n, q_pe.shape[-1]))
         config = {"exact": True} if spec.exact_rows else None
-        o, _ = kernels.prefill(
-            qc, qpc, Cc, Kc, kv_len, kv_len, tau, sink, recent, layer.paged, self.block_table, backend, config
-        )
+        o, _ = kernels.prefill(qc, qpc, Cc, Kc, kv_len, kv_len, tau, sink, recent, layer.paged, bt, backend, config)
         rank = (new_valid.cumsum(1) - 1).clamp_min(0)
         o = o.gather(2, rank[:, None, :, None].expand(B, H, n, o.shape[-1]))
         return o * new_valid[:, None, :, None]

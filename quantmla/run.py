@@ -99,6 +99,10 @@ def plan(cfg: DictConfig) -> Plan:
         d_c, d_r = model.check()
         spec.check_dims(d_c, d_r)
         backend, device = str(cfg.get("backend", "auto")), resolve_device(str(cfg.device))
+        if getattr(model, "device_map", None) and str(cfg.device) not in ("auto", "cuda"):
+            raise ConfigError(
+                f"model.device_map={model.device_map} spreads the model over the GPUs: leave device=auto, not {cfg.device}"
+            )
         check_backend(backend, device)
         PageFormat(spec.content_bits, spec.rope_bits, d_c, d_r, spec.group)  # the cache layout can hold it
         method.check(spec)
@@ -135,37 +139,45 @@ def run(cfg: DictConfig) -> dict:
         raise
 
 
-def _execute(p: Plan, cfg: DictConfig, record) -> dict:
+def prepare(p: Plan, cfg: DictConfig):
+    """(model, tokenizer) as a run evaluates them: loaded (spread over devices if the model config asks),
+    every MLA attention routed through the latent cache, the method applied, the cache format set."""
     import torch
 
-    from quantmla import attention, mla
+    from quantmla import attention, mla, placement
     from quantmla.cache import CacheSpec
-    from quantmla.evals import EvalContext
     from quantmla.methods import MethodContext
-    from quantmla.models import resolve_device
+
+    torch.manual_seed(int(cfg.seed))
+    model, tokenizer = p.model.load(cfg.device)
+    if placement.describe(model):
+        log.info("%s spread over devices (modules per device): %s", p.model.name, placement.describe(model))
+    layers = attention.install(model, CacheSpec(group=p.spec.group), backend=str(cfg.get("backend", "auto")))
+    p.method.apply(
+        model,
+        mla.adapters(model),
+        MethodContext(
+            spec=p.spec,
+            tokenizer=tokenizer,
+            model_name=p.model.name,
+            device=placement.execution_device(model),
+            cache_dir=Path(cfg.runs_dir) / ".transforms",
+            calibration=p.calibration,
+            progress=sys.stderr.isatty(),
+        ),
+    )
+    for layer in layers:
+        layer.spec = p.spec
+    return model, tokenizer
+
+
+def _execute(p: Plan, cfg: DictConfig, record) -> dict:
+    from quantmla.evals import EvalContext
 
     ok = False
     try:
         p.logger.start(record, cfg.sweep)
-        torch.manual_seed(int(cfg.seed))
-        model, tokenizer = p.model.load(cfg.device)
-        device = resolve_device(cfg.device)
-        layers = attention.install(model, CacheSpec(group=p.spec.group), backend=str(cfg.get("backend", "auto")))
-        p.method.apply(
-            model,
-            mla.adapters(model),
-            MethodContext(
-                spec=p.spec,
-                tokenizer=tokenizer,
-                model_name=p.model.name,
-                device=device,
-                cache_dir=Path(cfg.runs_dir) / ".transforms",
-                calibration=p.calibration,
-                progress=sys.stderr.isatty(),
-            ),
-        )
-        for layer in layers:
-            layer.spec = p.spec
+        model, tokenizer = prepare(p, cfg)
         ctx = EvalContext(
             model_name=p.model.name,
             max_positions=getattr(model.config, "max_position_embeddings", None),

@@ -32,13 +32,26 @@ LOG_KEYS = ("logger", "runs_dir", "sweep", "hydra")
 VERSIONED = ("torch", "transformers", "triton", "lm_eval", "hydra-core", "omegaconf", "wandb", "quantmla")
 
 
-ADDED_DEFAULTS = {"exact": False}
-"""Top-level keys added after runs were first recorded, with the value every earlier run had:
-left out of the id at that value, so those runs keep their ids (and are not run again)."""
+ADDED_DEFAULTS = {"exact": False, "model.device_map": None, "model.max_memory": None, "model.offload_folder": None}
+"""Keys (dotted for nested ones) added after runs were first recorded, with the value every earlier run
+had: left out of the id at that value, so those runs keep their ids (and are not run again)."""
 
 
 def identity(cfg: dict) -> dict:
-    return {k: v for k, v in cfg.items() if k not in LOG_KEYS and not (k in ADDED_DEFAULTS and v == ADDED_DEFAULTS[k])}
+    out = {k: v for k, v in cfg.items() if k not in LOG_KEYS}
+    for key, default in ADDED_DEFAULTS.items():
+        out = _without(out, key, default)
+    return out
+
+
+def _without(cfg: dict, key: str, default) -> dict:
+    """``cfg`` without the dotted ``key`` where it holds ``default`` (a copy; ``cfg`` is not changed)."""
+    head, _, rest = key.partition(".")
+    if head not in cfg:
+        return cfg
+    if rest:
+        return cfg | {head: _without(cfg[head], rest, default)} if isinstance(cfg[head], dict) else cfg
+    return {k: v for k, v in cfg.items() if k != head} if cfg[head] == default else cfg
 
 
 def run_id(cfg: dict) -> str:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from quantmla import placement
 from quantmla.mla import MLA
 from quantmla.quant import qdq
 
@@ -237,37 +238,41 @@ def check_rope_pairing(mla: MLA, position_embeddings, tol: float = 1e-4, seed: i
 
 
 # ----- offline fusion ---------------------------------------------------------------------------
-def _work(param: torch.Tensor):
-    """Cast to the fusion's working precision on ``param``'s device: float32, or float64 for float64 weights."""
-    dtype = torch.float64 if param.dtype == torch.float64 else torch.float32
+# A layer of a model spread over devices is fused on the device it computes on, its offloaded weights
+# loaded for the duration and the results written back into accelerate's store (quantmla.placement).
+def _work(module: torch.nn.Module):
+    """Cast to the fusion's working precision on the device ``module`` computes on: float32, or float64
+    for float64 weights."""
+    dtype = torch.float64 if module.weight.dtype == torch.float64 else torch.float32
+    device = placement.execution_device(module)
 
     def cast(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().to(device=param.device, dtype=dtype)
+        return t.detach().to(device=device, dtype=dtype)
 
     return cast
 
 
-def _write(param: torch.nn.Parameter, value: torch.Tensor) -> None:
-    with torch.no_grad():
-        param.copy_(value.to(param.dtype))
-
-
 def fuse_content(mla: MLA, R: torch.Tensor | None = None, s: torch.Tensor | None = None) -> None:
     """Eq. 22: W_a' = W_a R (bias too), Γ' = S, W_b' = S^-1 R^T Γ W_b. Γ is folded into kv_b_proj."""
-    d_c = mla.dims.d_c
     kva, kvb, norm = mla.kv_a_proj_with_mqa, mla.kv_b_proj, mla.kv_a_layernorm
-    w = _work(kva.weight)
+    with placement.loaded(kva, kvb, norm):
+        _fuse_content(mla, kva, kvb, norm, R, s)
+
+
+def _fuse_content(mla: MLA, kva, kvb, norm, R, s) -> None:
+    d_c = mla.dims.d_c
+    w = _work(kva)
     g = w(mla.gamma)
     R = None if R is None else w(R)
     s = w(torch.ones(d_c)) if s is None else w(s)
     if R is not None:
         W = w(kva.weight).clone()
         W[:d_c] = R.T @ W[:d_c]
-        _write(kva.weight, W)
+        placement.write(kva, "weight", W)
         if kva.bias is not None:
             b = w(kva.bias).clone()
             b[:d_c] = b[:d_c] @ R
-            _write(kva.bias, b)
+            placement.write(kva, "bias", b)
     live = g != 0
     if R is not None and not bool(live.all()):
         mixed = R[~live][:, live].abs().max().item() + R[live][:, ~live].abs().max().item()
@@ -276,14 +281,20 @@ def fuse_content(mla: MLA, R: torch.Tensor | None = None, s: torch.Tensor | None
     Wb = w(kvb.weight) * g  # weight' = weight · diag(γ) R diag(1/s)
     if R is not None:
         Wb = Wb @ R
-    _write(kvb.weight, Wb / s)
-    _write(norm.weight, torch.where(live, s, 0.0) / mla.kv_scale)  # the model multiplies by kv_scale again (LongCat)
+    placement.write(kvb, "weight", Wb / s)
+    # the model multiplies by kv_scale again (LongCat)
+    placement.write(norm, "weight", torch.where(live, s, 0.0) / mla.kv_scale)
 
 
 def fuse_rope(mla: MLA, theta: torch.Tensor | None = None, s: torch.Tensor | None = None) -> None:
     """Eq. 25 in weight space: pre-RoPE key rows ← (R_P S_P)^T ·, every head's query rows ← (R_P S_P^-1)^T ·."""
+    with placement.loaded(mla.kv_a_proj_with_mqa, mla.q_rope_proj):
+        _fuse_rope(mla, theta, s)
+
+
+def _fuse_rope(mla: MLA, theta, s) -> None:
     d, (pre, _) = mla.dims, rope_pairs(mla)
-    w = _work(mla.kv_a_proj_with_mqa.weight)
+    w = _work(mla.kv_a_proj_with_mqa)
     th = None if theta is None else theta.detach().double()
     sc = None if s is None else s.detach().double()
     M_K = w(pair_matrix(pre, d.d_r, th, sc))
@@ -291,20 +302,20 @@ def fuse_rope(mla: MLA, theta: torch.Tensor | None = None, s: torch.Tensor | Non
     kva = mla.kv_a_proj_with_mqa
     W = w(kva.weight).clone()
     W[d.d_c :] = M_K.T @ W[d.d_c :]
-    _write(kva.weight, W)
+    placement.write(kva, "weight", W)
     if kva.bias is not None:
         b = w(kva.bias).clone()
         b[d.d_c :] = b[d.d_c :] @ M_K
-        _write(kva.bias, b)
+        placement.write(kva, "bias", b)
     qp = mla.q_rope_proj
-    rows = mla.q_rope_rows().to(qp.weight.device)
     Wq = w(qp.weight).clone()
+    rows = mla.q_rope_rows().to(Wq.device)
     Wq[rows] = (M_Q.T @ Wq[rows].view(d.H, d.d_r, -1)).flatten(0, 1)
-    _write(qp.weight, Wq)
+    placement.write(qp, "weight", Wq)
     if qp.bias is not None:
         bq = w(qp.bias).clone()
         bq[rows] = (bq[rows].view(d.H, d.d_r) @ M_Q).flatten()
-        _write(qp.bias, bq)
+        placement.write(qp, "bias", bq)
 
 
 def set_online_rope(mla: MLA, H: torch.Tensor | None) -> None:
@@ -313,7 +324,7 @@ def set_online_rope(mla: MLA, H: torch.Tensor | None) -> None:
 
     if not isinstance(mla.module, LatentAttention):
         raise TypeError("an online post-RoPE transform needs the harness attention: call quantmla.attention.install")
-    mla.module.rope_transform = None if H is None else _work(mla.kv_a_proj_with_mqa.weight)(H)
+    mla.module.rope_transform = None if H is None else _work(mla.kv_a_proj_with_mqa)(H)
 
 
 def fuse(mla: MLA, t: LayerTransform) -> None:

@@ -21,7 +21,7 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from quantmla import attention
+from quantmla import attention, placement
 
 
 @register_model("quantmla")
@@ -37,6 +37,7 @@ class QuantMLALM(HFLM):
         super().__init__(
             pretrained=pretrained, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length, **kwargs
         )
+        self._device = placement.execution_device(pretrained)  # inputs go to the first GPU of a spread model
 
     def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
         # Teacher-forced scoring: no generation cache, the installed attention quantizes the

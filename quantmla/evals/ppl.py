@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from quantmla import data
+from quantmla import data, placement
 from quantmla.evals import Eval, EvalContext
 
 
@@ -49,7 +49,7 @@ class Perplexity(Eval):
         if ctx.max_positions and self.seq_len > ctx.max_positions:
             raise ValueError(f"ppl seq_len {self.seq_len} exceeds the model's context {ctx.max_positions}")
         w = self.windows(tokenizer)
-        device = next(model.parameters()).device
+        device = placement.execution_device(model)
         nll, count = 0.0, 0
         bar = tqdm(range(0, len(w), self.batch_size), desc="ppl", unit="batch", disable=not ctx.progress)
         for s in bar:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from quantmla import data
+from quantmla import data, placement
 from quantmla.attention import capture_inputs
 from quantmla.cache import CacheSpec
 from quantmla.evals import Eval, EvalContext
@@ -138,7 +138,7 @@ class Sensitivity(Eval):
         if ctx.max_positions and self.seq_len > ctx.max_positions:
             raise ValueError(f"sensitivity seq_len {self.seq_len} exceeds the model's context {ctx.max_positions}")
         cells = self.cells(tokenizer)
-        device = next(model.parameters()).device
+        device = placement.execution_device(model)
         dtype = DTYPES[self.dtype]
         gen = torch.Generator().manual_seed(self.probe_seed)
         # the interventions draw from their own stream, so turning them on leaves the probes (Table 5) as they were

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from quantmla import placement
 from quantmla.calibration import (
     LayerBatch,
     Teacher,
@@ -137,15 +138,16 @@ class ContentPath:
 
     label = "C"
 
-    def __init__(self, cfg: QuantMLAConfig, log_s0: list[torch.Tensor], bits: int, group: int, device, live=None):
+    def __init__(self, cfg: QuantMLAConfig, log_s0: list[torch.Tensor], bits: int, group: int, devices, live=None):
+        """``devices``: where each layer computes (its parameters live there)."""
         self.cfg, self.bits, self.group = cfg, bits, group
         d_c = log_s0[0].numel()
-        self.P = [torch.zeros(d_c, d_c, device=device, requires_grad=True) for _ in log_s0]
+        self.P = [torch.zeros(d_c, d_c, device=dev, requires_grad=True) for dev in devices]
         # the rotation acts on live latent channels only (identity on channels whose Γ is zero)
         live = live or [torch.ones(d_c, dtype=torch.bool)] * len(log_s0)
-        self.mask = [live_pairs_mask(v).to(device) for v in live]
-        self.rho = [ls.detach().float().to(device).clone().requires_grad_() for ls in log_s0]
-        self.rho0 = [ls.detach().float().to(device).clone() for ls in log_s0]
+        self.mask = [live_pairs_mask(v).to(dev) for v, dev in zip(live, devices)]
+        self.rho = [ls.detach().float().to(dev).clone().requires_grad_() for ls, dev in zip(log_s0, devices)]
+        self.rho0 = [ls.detach().float().to(dev).clone() for ls, dev in zip(log_s0, devices)]
         self.needs_outputs = cfg.content_objective == "output"
 
     def param_groups(self) -> list[dict]:
@@ -161,9 +163,10 @@ class ContentPath:
         return content_loss(lb, self.bits, R, self.scale(i), True, self.cfg.content_objective, self.group, ste)
 
     def anchor(self) -> torch.Tensor:
-        iu = torch.triu_indices(*self.P[0].shape, offset=1, device=self.P[0].device)
-        skew = torch.stack([((P - P.T) * m)[iu[0], iu[1]].pow(2).mean() for P, m in zip(self.P, self.mask)]).mean()
-        scale = torch.stack([(r - r0).pow(2).mean() for r, r0 in zip(self.rho, self.rho0)]).mean()
+        n = self.P[0].shape[0]
+        upper = {dev: torch.triu_indices(n, n, offset=1, device=dev) for dev in {P.device for P in self.P}}
+        skew = _mean([((P - P.T) * m)[tuple(upper[P.device])].pow(2).mean() for P, m in zip(self.P, self.mask)])
+        scale = _mean([(r - r0).pow(2).mean() for r, r0 in zip(self.rho, self.rho0)])
         return self.cfg.anchor * (skew + scale)
 
     def snapshot(self) -> dict:
@@ -189,12 +192,13 @@ class RopePath:
 
     label = "P"
 
-    def __init__(self, cfg: QuantMLAConfig, log_s0: list[torch.Tensor], pairs: list, bits: int, group: int, device):
+    def __init__(self, cfg: QuantMLAConfig, log_s0: list[torch.Tensor], pairs: list, bits: int, group: int, devices):
+        """``devices``: where each layer computes (its parameters live there)."""
         self.cfg, self.bits, self.group, self.pairs = cfg, bits, group, pairs
         self.d_r = 2 * log_s0[0].numel()
-        self.theta = [torch.zeros(ls.numel(), device=device, requires_grad=True) for ls in log_s0]
-        self.rho = [ls.detach().float().to(device).clone().requires_grad_() for ls in log_s0]
-        self.rho0 = [ls.detach().float().to(device).clone() for ls in log_s0]
+        self.theta = [torch.zeros(ls.numel(), device=dev, requires_grad=True) for ls, dev in zip(log_s0, devices)]
+        self.rho = [ls.detach().float().to(dev).clone().requires_grad_() for ls, dev in zip(log_s0, devices)]
+        self.rho0 = [ls.detach().float().to(dev).clone() for ls, dev in zip(log_s0, devices)]
         self.needs_outputs = cfg.rope_objective == "output"
 
     def param_groups(self) -> list[dict]:
@@ -211,8 +215,8 @@ class RopePath:
         return rope_loss(lb, self.bits, M, M_inv, self.cfg.rope_objective, self.group, ste)
 
     def anchor(self) -> torch.Tensor:
-        angle = torch.stack([t.pow(2).mean() for t in self.theta]).mean()
-        scale = torch.stack([(r - r0).pow(2).mean() for r, r0 in zip(self.rho, self.rho0)]).mean()
+        angle = _mean([t.pow(2).mean() for t in self.theta])
+        scale = _mean([(r - r0).pow(2).mean() for r, r0 in zip(self.rho, self.rho0)])
         return self.cfg.anchor * (angle + scale)
 
     def snapshot(self) -> dict:
@@ -231,12 +235,17 @@ class RopePath:
             return [{"theta_P": self.theta[i].clone(), "s_P": self.scale(i)} for i in range(len(self.theta))]
 
 
+def _mean(per_layer: list[torch.Tensor]) -> torch.Tensor:
+    """Mean of per-layer scalars, on the first layer's device (layers may compute on different GPUs)."""
+    return torch.stack([t.to(per_layer[0].device) for t in per_layer]).mean()
+
+
 # ----- caching ---------------------------------------------------------------------------------
 def model_fingerprint(model, name: str = "") -> str:
     """Hash of the model's class, config and every parameter (shape, dtype, edge values and sum)."""
     h = hashlib.sha256(f"{name}|{type(model).__name__}|{model.config.to_json_string()}".encode())
     with torch.no_grad():
-        for pname, p in model.named_parameters():
+        for pname, p in placement.named_parameters(model):
             t = p.detach().flatten()
             edges = torch.cat([t[:32], t[-32:]]).float().cpu()
             h.update(f"{pname}|{tuple(p.shape)}|{p.dtype}|{float(t.sum(dtype=torch.float64)):.6e}".encode())
@@ -337,17 +346,17 @@ class QuantMLA(Method):
         need = [p for p in todo if p not in results]
         self._live = [live_channels(a) for a in adapters]
         if need:
-            device = adapters[0].kv_a_proj_with_mqa.weight.device
+            devices = [placement.execution_device(a.module) for a in adapters]
             budget = cfg.teacher_cache_gb * 2**30
             a_C, a_P = activation_percentiles(model, train, cal.batch_size, cfg.percentile / 100, ctx.progress)
             held = Teacher(model, heldout, cal.batch_size, outputs=True, cache_bytes=budget)
             log_s0 = self._alpha_init(held, a_C, a_P, need, todo, spec, ctx.progress)
             for p in need:
                 if p == "C":
-                    path = ContentPath(cfg, log_s0["C"], todo["C"], spec.group, device, self._live)
+                    path = ContentPath(cfg, log_s0["C"], todo["C"], spec.group, devices, self._live)
                 else:
                     pairs = [rope_pairs(a)[1] for a in adapters]
-                    path = RopePath(cfg, log_s0["P"], pairs, todo["P"], spec.group, device)
+                    path = RopePath(cfg, log_s0["P"], pairs, todo["P"], spec.group, devices)
                 folder, key = folders[p]
                 report = train_path(
                     path,
@@ -434,6 +443,6 @@ class QuantMLA(Method):
 
 @torch.no_grad()
 def _nll(model, ids: torch.Tensor) -> float:
-    ids = ids.to(next(model.parameters()).device)
+    ids = ids.to(placement.execution_device(model))
     logits = model(ids, use_cache=False).logits.float()
     return float(F.cross_entropy(logits[0, :-1], ids[0, 1:]))

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from quantmla.mla import supported_classes
+from quantmla.placement import Placement, dispatch
 
 
 class ModelUnavailable(ValueError):
@@ -51,8 +52,8 @@ def mla_dims(config, name: str) -> tuple[int, int]:
 
 
 @dataclass
-class TinyModel:
-    """The seeded random DeepseekV2 of :mod:`quantmla.models.tiny`."""
+class TinyModel(Placement):
+    """The seeded random DeepseekV2 of :mod:`quantmla.models.tiny` (placed like a checkpoint once built)."""
 
     name: str = "tiny"
     seed: int = 0
@@ -88,11 +89,11 @@ class TinyModel:
 
         dev = resolve_device(device)
         model, tok = build(self.hf_config(), seed=self.seed, dtype=resolve_dtype(self.dtype, dev))
-        return model.to(dev), tok
+        return (dispatch(model, self) if self.device_map else model.to(dev)), tok
 
 
 @dataclass
-class PretrainedModel:
+class PretrainedModel(Placement):
     """A transformers checkpoint: a hub id found in the local HF cache, or a local folder."""
 
     name: str
@@ -141,8 +142,14 @@ class PretrainedModel:
 
         dev = resolve_device(device)
         d = self.local_dir()
+        if self.device_map is None:
+            placed = {"device_map": str(dev)}
+        else:
+            placed = {"device_map": self.device_map, "max_memory": self.budget(), "offload_folder": self.offload_folder}
         model = AutoModelForCausalLM.from_pretrained(
-            d, dtype=resolve_dtype(self.dtype, dev), local_files_only=True, device_map=str(dev)
+            d, dtype=resolve_dtype(self.dtype, dev), local_files_only=True, **placed
         )
+        if self.device_map is not None:  # transformers reads what is left over from the checkpoint on disk
+            self.check_fits(getattr(model, "hf_device_map", None) or {})
         tok = AutoTokenizer.from_pretrained(d, local_files_only=True)
         return model.eval(), tok

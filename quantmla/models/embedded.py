@@ -9,13 +9,14 @@ building anything.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from quantmla.models import ModelUnavailable, PretrainedModel
+from quantmla.placement import Placement
 
 
 @dataclass
-class EmbeddedModel:
+class EmbeddedModel(Placement):
     name: str = "smollm2_mla"
     model: str = "smollm2-mla"
     dtype: str = "auto"
@@ -64,4 +65,5 @@ class EmbeddedModel:
         return S.mla_config(S.source_config(), d_c, attention_bias=bias)
 
     def load(self, device: str = "auto"):
-        return PretrainedModel(name=self.name, path=str(self.folder()), dtype=self.dtype).load(device)
+        placed = {f.name: getattr(self, f.name) for f in fields(Placement)}
+        return PretrainedModel(name=self.name, path=str(self.folder()), dtype=self.dtype, **placed).load(device)

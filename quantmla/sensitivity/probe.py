@@ -11,11 +11,10 @@ Paths are named ``"C"`` (content latent) and ``"P"`` (RoPE key).
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
 
+from quantmla import placement
 from quantmla.attention import LatentAttention, latent_layers, layer_output
 from quantmla.cache import CacheSpec
 from quantmla.mla import supported_classes
@@ -55,8 +54,9 @@ def check_layers(wanted, count: int) -> list[int]:
 
 
 def frozen_copy(layer: LatentAttention, dtype: torch.dtype) -> LatentAttention:
-    """A copy of ``layer`` in ``dtype`` with no parameter gradients (the model is left untouched)."""
-    twin = copy.deepcopy(layer).to(dtype)
+    """A copy of ``layer`` in ``dtype`` with no parameter gradients (the model is left untouched), on the
+    device the layer computes on, with any weights accelerate offloads loaded."""
+    twin = placement.detached_copy(layer).to(dtype)
     twin.spec = CacheSpec(group=layer.spec.group)
     for p in twin.parameters():
         p.requires_grad_(False)
