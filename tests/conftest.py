@@ -62,6 +62,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    if not _has_cuda():
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+
+
 @pytest.fixture
 def tiny():
     """A fresh seeded tiny DeepseekV2 model and its tokenizer."""
