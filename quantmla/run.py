@@ -343,14 +343,16 @@ def validate_argv(argv: list[str]) -> None:
     multirun = any(a in ("-m", "--multirun") for a in argv)
     with initialize_config_dir(str(conf_dir()), version_base="1.3"):
         _check_hydra_groups(hydra_overrides)
-        if not multirun and jobs:
-            _config_sweep(jobs[0], hydra_overrides)  # only to check the hydra overrides
-        for job in jobs:
-            for sub in _config_sweep(job, hydra_overrides) if multirun else [job]:
-                try:
-                    cfg = compose("run", overrides=sub)
-                except HydraException as e:
-                    raise ConfigError(str(e).strip().splitlines()[0]) from None
+        for i, job in enumerate(jobs):
+            full = _compose_full(job, hydra_overrides) if multirun or i == 0 else None
+            for sub in _config_sweep(job, hydra_overrides, full) if multirun else [job]:
+                if sub == job and full is not None:  # the job itself: its config is the one just composed
+                    cfg = OmegaConf.masked_copy(full, [k for k in full if k != "hydra"])
+                else:
+                    try:
+                        cfg = compose("run", overrides=sub)
+                    except HydraException as e:
+                        raise ConfigError(str(e).strip().splitlines()[0]) from None
                 plan(cfg)
 
 
@@ -367,17 +369,21 @@ def _check_hydra_groups(overrides: list[str]) -> None:
                 raise ConfigError(f"unknown {key} '{value}'; choose one of: {', '.join(options)}")
 
 
-def _config_sweep(job: list[str], hydra_overrides: list[str] = ()) -> list[list[str]]:
-    """The jobs a sweep's ``hydra.sweeper.params`` (set by an experiment file) adds to ``job``;
-    keys given on the command line win, as in Hydra's basic sweeper. The command line's own
-    ``hydra`` overrides are checked on the way."""
+def _compose_full(job: list[str], hydra_overrides: list[str] = ()) -> DictConfig:
+    """``job``'s config with Hydra's own (which checks the command line's ``hydra`` overrides)."""
     from hydra import compose
     from hydra.errors import HydraException
 
     try:
-        full = compose("run", overrides=[*job, *hydra_overrides], return_hydra_config=True)
+        return compose("run", overrides=[*job, *hydra_overrides], return_hydra_config=True)
     except HydraException as e:
         raise ConfigError(str(e).strip().splitlines()[0]) from None
+
+
+def _config_sweep(job: list[str], hydra_overrides: list[str] = (), full: DictConfig | None = None) -> list[list[str]]:
+    """The jobs a sweep's ``hydra.sweeper.params`` (set by an experiment file) adds to ``job``;
+    keys given on the command line win, as in Hydra's basic sweeper."""
+    full = full if full is not None else _compose_full(job, hydra_overrides)
     params = full.hydra.sweeper.get("params") or {}
     given = {o.lstrip("+~").partition("=")[0] for o in job}
     extra = [f"{k}={v}" for k, v in params.items() if k.lstrip("+~") not in given]
