@@ -326,9 +326,9 @@ class QuantMLA(Method):
             "method": json.dumps(self.config.to_dict()),
             "calibration": json.dumps(ctx.calibration.to_dict()),
         }
-        with replacing(folder / "transforms.safetensors") as tmp:
-            save_file(state, str(tmp), metadata=meta)
         write_atomic(folder / "config.json", json.dumps(meta | {"result": report}, indent=2, default=str))
+        with replacing(folder / "transforms.safetensors") as tmp:  # last: its presence says the entry is complete
+            save_file(state, str(tmp), metadata=meta)
 
     # -- calibration ---------------------------------------------------------------------------------
     def calibrate(self, model, adapters, ctx: MethodContext) -> dict:
