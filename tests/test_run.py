@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from fault_tools import broken_checkpoint
 from hydra import compose, initialize_config_dir
 
 from quantmla.run import ConfigError, conf_dir, group_options, plan
@@ -141,17 +142,6 @@ def test_local_checkpoint_runs(tiny_folder, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     (metrics,) = list(tmp_path.rglob("metrics.json"))
     assert json.loads(metrics.read_text())["tokens"] == 2 * 127
-
-
-def broken_checkpoint(tiny_folder, dest):
-    """The tiny checkpoint with a config whose MLP width its weights do not have: it passes every check
-    made before loading (names, MLA attention) and fails when transformers loads the weights."""
-    import shutil
-
-    shutil.copytree(tiny_folder, dest)
-    cfg = json.loads((dest / "config.json").read_text())
-    (dest / "config.json").write_text(json.dumps(cfg | {"intermediate_size": cfg["intermediate_size"] + 128}))
-    return dest
 
 
 def test_failed_run_is_recorded_failed_not_done(tmp_path, tiny_folder):
