@@ -137,7 +137,7 @@ def plan(cfg: DictConfig) -> Plan:
         calibration = CalibrationData(**groups["calibration"])
         d_c, d_r = model.check()
         spec.check_dims(d_c, d_r)
-        backend, device = top["backend"], resolve_device(top["device"])
+        backend, device = top.get("backend", "auto"), resolve_device(top["device"])
         check_backend(backend, device)
         resolve_dtype(str(getattr(model, "dtype", "auto")), device)
         fmt = PageFormat(spec.content_bits, spec.rope_bits, d_c, d_r, spec.group)  # the cache layout can hold it

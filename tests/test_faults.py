@@ -345,3 +345,23 @@ def test_lm_eval_responses_are_checked_when_read_back(tmp_path, caplog):
     assert fourth.loglikelihood(reqs) == want and fourth.asked == 4
     assert len(list(tmp_path.glob("lm_eval_responses.sqlite.corrupt-*"))) == 1
     assert isinstance(fourth.responses.db, sqlite3.Connection)
+
+
+def test_an_unreadable_eval_mirror_is_set_aside_and_built_again(tmp_path, monkeypatch):
+    from quantmla.evals import mirrors
+
+    built = []
+
+    def build(root):  # the real build takes a minute: only its product matters here
+        root.mkdir(parents=True)
+        (root / "manifest.json").write_text(json.dumps({"tasks": {}, "datasets": {}}))
+        built.append(root)
+
+    monkeypatch.setenv("QUANTMLA_CACHE", str(tmp_path))
+    monkeypatch.setattr(mirrors, "_build", build)
+    root = mirrors.folder()
+    (root / "manifest.json").write_text('{"tasks": {"hellasw')  # truncated
+    FAULTS["truncated files"] += 1
+    assert mirrors.folder() == root and len(built) == 2
+    assert json.loads((root / "manifest.json").read_text())["tasks"] == {}
+    assert len(list(root.parent.glob(f"{root.name}.corrupt-*"))) == 1
