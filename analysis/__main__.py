@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 from pathlib import Path
 
@@ -23,6 +24,14 @@ def main(argv: list[str] | None = None) -> int:
     t = sub.add_parser("table", help="model × method × bits table of the recorded metrics")
     t.add_argument("runs_dir", type=Path)
     t.add_argument("--out", type=Path, default=None, help="folder for table.md and table.csv (default: runs_dir)")
+    t.add_argument(
+        "--over",
+        nargs="+",
+        default=(),
+        metavar="FIELD",
+        help="config fields to average over (e.g. seed model.seed): runs differing only in them share a row "
+        "with n, mean and standard error; without it every distinct run has its own row",
+    )
     s = sub.add_parser("sensitivity", help="Table 4/5 and Figure 2 style plots of eval=sensitivity runs")
     s.add_argument("runs_dir", type=Path)
     s.add_argument("--out", type=Path, default=None, help="folder for the tables and figures (default: runs_dir)")
@@ -36,9 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd != "latency" and not args.runs_dir.is_dir():
         print(f"error: {args.runs_dir} is not a folder of runs", file=sys.stderr)
         return 2
+    logging.basicConfig(level=logging.WARNING, format="warning: %(message)s")  # damaged records are named
     module, files = WRITERS[args.cmd]
+    extra = {"over": tuple(args.over)} if getattr(args, "over", ()) else {}
     try:
-        md, written = importlib.import_module(module).write(getattr(args, "records", None) or args.runs_dir, args.out)
+        md, written = importlib.import_module(module).write(
+            getattr(args, "records", None) or args.runs_dir, args.out, **extra
+        )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from analysis import paper_numbers as P
-from analysis.table import METHOD_ORDER, _bits_key, _variant
+from analysis.table import METHOD_ORDER, SHOWN, _bits_key, _variant, config_fields, differing
+from quantmla.files import write_atomic
 from quantmla.tracking import read_runs
 
 NAMES = {
@@ -39,6 +40,39 @@ def _key(c: dict) -> tuple:
     return c["model"]["name"], bits, c["method"]["name"], protect, variant
 
 
+def _rows(runs: list[dict], values) -> dict[tuple, list]:
+    """Row key -> the mean of ``values(run)`` over the runs of that row; every config field that
+    differs between the runs (and that the key does not show) joins the key's variant."""
+    fields = [config_fields(r["config"]) for r in runs]
+    extra = [k for k in differing(fields, skip=SHOWN) if not k.startswith("method.")]
+    groups: dict[tuple, list] = {}
+    for r, f in zip(runs, fields):
+        model, bits, method, protect, variant = _key(r["config"])
+        more = " ".join(f"{k}={f.get(k)}" for k in extra if not (bits == "C16R16" and k.startswith("protect.")))
+        groups.setdefault((model, bits, method, protect, ", ".join(v for v in (variant, more) if v)), []).append(
+            values(r)
+        )
+    return {k: _mean(v) for k, v in groups.items()}
+
+
+def _mean(rows: list) -> tuple[int, list | dict]:
+    """(how many, their mean): of lists (table columns) or dicts (RULER tasks); None stays None."""
+    first = rows[0]
+    keys = range(len(first)) if isinstance(first, list) else list(first)
+    out = {}
+    for k in keys:
+        got = [r[k] for r in rows if (r[k] if isinstance(r, list) else r.get(k)) is not None]
+        out[k] = sum(got) / len(got) if got and len(got) == len(rows) else None
+    return len(rows), [out[k] for k in keys] if isinstance(first, list) else out
+
+
+def _name(bits: str, method: str, variant: str, n: int) -> str:
+    name = "—" if bits == "C16R16" else method
+    notes = [variant] if variant and bits != "C16R16" else []
+    notes += [f"mean of {n}"] if n > 1 else []
+    return name + (f" ({'; '.join(notes)})" if notes else "")
+
+
 def _order(k: tuple) -> tuple:
     model, bits, method, protect, variant = k
     m = METHOD_ORDER.index(method) if method in METHOD_ORDER else len(METHOD_ORDER)
@@ -52,45 +86,45 @@ def _fmt(v) -> str:
 def suite_table(runs: list[dict], suite: str) -> str | None:
     cols = P.SUITE_A_COLUMNS if suite == "suite_a" else P.SUITE_B_COLUMNS
     paper = P.TABLE1 if suite == "suite_a" else P.TABLE2
-    rows = {}
-    for r in runs:
-        m = r["metrics"]
-        if r["config"].get("eval", {}).get("suite") != suite or "scores" not in m:
-            continue
-        values = dict(m["scores"]) | {k: m["averages"].get(k) for k in ("cs", "avg")}
-        rows.setdefault(_key(r["config"]), [values.get(c) for c in cols])
-    if not rows:
+    runs = [r for r in runs if r["config"].get("eval", {}).get("suite") == suite and "scores" in r["metrics"]]
+    if not runs:
         return None
+
+    def values(r):
+        m = r["metrics"]
+        got = dict(m["scores"]) | {k: m["averages"].get(k) for k in ("cs", "avg")}
+        return [got.get(c) for c in cols]
+
+    rows = _rows(runs, values)
     head = ["model", "prec.", "method", "protect"] + [NAMES[c] for c in cols] + ["paper Avg."]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for k in sorted(rows, key=_order):
         model, bits, method, protect, variant = k
+        n, row = rows[k]
         ref = P.paper_row(paper, model, bits, method, protect)
-        name = "—" if bits == "C16R16" else method + (f" ({variant})" if variant else "")
-        cells = [model, bits, name, "yes" if protect else "no"] + [_fmt(v) for v in rows[k]]
+        name = _name(bits, method, variant, n)
+        cells = [model, bits, name, "yes" if protect else "no"] + [_fmt(v) for v in row]
         lines.append("| " + " | ".join(cells + [_fmt(ref[-1]) if ref else ""]) + " |")
     return "\n".join(lines)
 
 
 def ruler_table(runs: list[dict]) -> str | None:
-    rows, tasks = {}, []
-    for r in runs:
-        if r["config"].get("eval", {}).get("name") != "ruler" or "mean" not in r["metrics"]:
-            continue
-        rows.setdefault(_key(r["config"]), r["metrics"]["mean"])
-        tasks = sorted(set(tasks) | set(r["metrics"]["mean"]))
-    if not rows:
+    runs = [r for r in runs if r["config"].get("eval", {}).get("name") == "ruler" and "mean" in r["metrics"]]
+    if not runs:
         return None
+    tasks = sorted(set().union(*(r["metrics"]["mean"] for r in runs)))
+    rows = _rows(runs, lambda r: {t: r["metrics"]["mean"].get(t) for t in tasks})
     head = ["model", "prec.", "method", "protect"] + tasks + [f"paper {t}" for t in tasks if t in P.RULER_QUANTMLA]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for k in sorted(rows, key=_order):
         model, bits, method, protect, variant = k
+        n, row = rows[k]
         paper = model == "deepseek_v2_lite" and bits == "C4R4" and method == "quantmla" and protect
         ref = [_fmt(P.RULER_QUANTMLA[t]) if paper else "" for t in tasks if t in P.RULER_QUANTMLA]
-        name = "—" if bits == "C16R16" else method + (f" ({variant})" if variant else "")
+        name = _name(bits, method, variant, n)
         lines.append(
             "| "
-            + " | ".join([model, bits, name, "yes" if protect else "no"] + [_fmt(rows[k].get(t)) for t in tasks] + ref)
+            + " | ".join([model, bits, name, "yes" if protect else "no"] + [_fmt(row.get(t)) for t in tasks] + ref)
             + " |"
         )
     return "\n".join(lines)
@@ -111,5 +145,5 @@ def write(root: str | Path, out: str | Path | None = None) -> tuple[str, Path]:
     md = "\n\n".join(parts)
     out = Path(out or root)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "paper_tables.md").write_text(md + "\n")
+    write_atomic(out / "paper_tables.md", md + "\n")
     return md, out / "paper_tables.md"

@@ -207,8 +207,15 @@ class CalibrationData:
         return docs
 
     def check(self) -> None:
-        """Cheap check that the text exists (no tokenizer needed)."""
-        self.texts()
+        """Cheap check that the text exists and can hold the banks (no tokenizer needed: a token
+        covers at least one byte of the text, so the text's bytes bound its tokens)."""
+        size = len("\n\n".join(self.texts()).encode("utf-8"))
+        need = (self.train + self.heldout) * self.seq_len
+        if size < need:
+            raise DataUnavailable(
+                f"calibration text '{self.source}' ({self.split}) is too short: {self.train} + {self.heldout} "
+                f"windows of {self.seq_len} tokens need {need} tokens, and its {size} bytes hold at most {size}"
+            )
 
     def stream(self, tokenizer) -> torch.Tensor:
         """The tokenized text, kept in memory for the next calibration of this process."""

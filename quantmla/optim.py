@@ -8,15 +8,20 @@ inputs), so memory holds one layer's graph. The held-out objective (no anchors) 
 at step 0 and every ``val_every`` steps and at the end; the lowest one's parameters are kept.
 
 A checkpoint (parameters, optimizer state, step, best so far, history) is written at every
-validation and when the loop is interrupted (Ctrl-C), atomically; a later call with the same
-key resumes from it. The learning rate is a pure function of the step, so nothing else is saved.
+validation and when the loop is interrupted (Ctrl-C, or SIGTERM as a scheduler sends it), atomically;
+a later call with the same key resumes from it. The learning rate is a pure function of the step,
+so nothing else is saved. It is read with ``torch.load(weights_only=True)``, which builds tensors and
+plain containers only and runs no code from the file; a checkpoint that does not load, was written
+for another key or does not fit the path is set aside (:func:`quantmla.files.set_aside`) and the
+path trained from the start.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
+import pickle
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +31,7 @@ import torch
 from tqdm.auto import tqdm
 
 from quantmla.calibration import LayerBatch, Teacher, heldout_mean
+from quantmla.files import reason, replacing, set_aside
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +85,48 @@ def batch_indices(k: int, batch_size: int, n: int, seed: int) -> torch.Tensor:
 
 def _save(path: Path, state: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    with replacing(path) as tmp:
+        torch.save(state, tmp)
+
+
+def _layout(snap) -> dict:
+    """The names and shapes of a path's parameter snapshot (a dict of lists of tensors)."""
+    if not isinstance(snap, dict):
+        raise ValueError("its parameters are not a snapshot")
+    return {k: [tuple(t.shape) for t in v] for k, v in snap.items()}
+
+
+def _resume(checkpoint: Path, key: str, path: TrainablePath, opt: torch.optim.Optimizer) -> dict | None:
+    """The loop state saved in ``checkpoint``, with ``path`` and ``opt`` restored from it; None (and
+    ``path`` as it was) when there is none or it is damaged, which is then set aside."""
+    if not checkpoint.exists():
+        return None
+    before = path.snapshot()
+    try:
+        saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
+        if not isinstance(saved, dict) or saved.get("key") != key:
+            raise ValueError("not a checkpoint of this calibration (its key differs)")
+        state = {k: saved[k] for k in ("step", "best", "history")}
+        if not isinstance(state["step"], int) or not state["history"] or state["best"] is None:
+            raise ValueError("its step, history or best entry is missing")
+        for snap in (saved["params"], state["best"]["params"]):
+            if _layout(snap) != _layout(before):
+                raise ValueError("its parameters do not fit this path (other layers or shapes)")
+        path.restore(saved["params"])
+        opt.load_state_dict(saved["opt"])
+    except pickle.UnpicklingError as e:  # torch's advice to retry with weights_only=False is not taken
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        what = f" ({found.group(1)})" if found else ""
+        path.restore(before)
+        set_aside(
+            checkpoint, f"refused: it holds an object{what} other than tensors and containers, which could run code"
+        )
+        return None
+    except Exception as e:  # noqa: BLE001 - any failure means the file cannot be trusted
+        path.restore(before)
+        set_aside(checkpoint, reason(e))
+        return None
+    return state
 
 
 def train_path(
@@ -101,27 +146,33 @@ def train_path(
     opt = torch.optim.AdamW(path.param_groups(), weight_decay=0.0)
     base_lr = [g["lr"] for g in opt.param_groups]
     state = {"step": 0, "best": None, "history": []}
-
-    if checkpoint is not None and checkpoint.exists():
-        saved = torch.load(checkpoint, map_location="cpu", weights_only=False)
-        if saved.get("key") == key:
-            path.restore(saved["params"])
-            opt.load_state_dict(saved["opt"])
-            state = {k: saved[k] for k in ("step", "best", "history")}
+    resumed = _resume(checkpoint, key, path, opt) if checkpoint is not None else None
+    if resumed is not None:
+        state = resumed
+        log.info("%s: resuming from step %d (%s)", desc, state["step"], checkpoint)
+    consistent = True  # False while an update or a validation's result is half applied
 
     def validate(step: int) -> float:
+        nonlocal consistent
         v = heldout_mean(heldout, lambda lb: {"L": path.loss(lb, ste=False)}, progress=False)["L"]
+        better = state["best"] is None or v < state["best"]["loss"]
+        snap = path.snapshot() if better else None
+        consistent = False
         state["history"].append((step, v))
-        if state["best"] is None or v < state["best"]["loss"]:
-            state["best"] = {"loss": v, "step": step, "params": path.snapshot()}
+        if better:
+            state["best"] = {"loss": v, "step": step, "params": snap}
+        consistent = True
         return v
 
     def save() -> None:
         if checkpoint is not None:
             _save(checkpoint, {"key": key, "params": path.snapshot(), "opt": opt.state_dict(), **state})
 
-    if state["step"] == 0 and not state["history"]:
-        validate(0)
+    def due(step: int) -> bool:
+        return step == 0 or step % schedule.val_every == 0 or step == schedule.steps
+
+    if due(state["step"]) and (not state["history"] or state["history"][-1][0] != state["step"]):
+        validate(state["step"])  # at the start, or where an interruption fell between an update and its validation
         save()
     bar = tqdm(range(state["step"], schedule.steps), desc=desc, unit="step", disable=not progress)
     last_val = state["history"][-1][1]
@@ -139,9 +190,11 @@ def train_path(
             anchor = path.anchor()
             anchor.backward()
             torch.nn.utils.clip_grad_norm_(params, schedule.grad_clip)
+            consistent = False
             opt.step()
             state["step"] = k + 1
-            if state["step"] % schedule.val_every == 0 or state["step"] == schedule.steps:
+            consistent = True
+            if due(state["step"]):
                 last_val = validate(state["step"])
                 save()
                 if not progress:  # no bar (a log file, a SLURM job): one line per validation
@@ -153,8 +206,9 @@ def train_path(
             bar.set_postfix(loss=f"{total:.4g}", val=f"{last_val:.4g}", best=f"{state['best']['loss']:.4g}")
             if on_step is not None:
                 on_step(state["step"])
-    except KeyboardInterrupt:
-        save()
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (quantmla.tracking.Terminated)
+        if consistent:  # else the last checkpoint stands
+            save()
         raise
     chosen = state["best"] if schedule.select == "best" else {"step": state["step"], "loss": state["history"][-1][1]}
     if schedule.select == "best":

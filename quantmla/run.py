@@ -23,6 +23,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 log = logging.getLogger("quantmla")
 
 
+def _launch_name() -> str:
+    """The Hydra folder of one launch (``${quantmla.launch:}`` in conf/run.yaml): its start time and
+    process id, so that two launches in the same second do not share one."""
+    from datetime import datetime
+
+    return f"{datetime.now():%Y-%m-%d_%H-%M-%S}-{os.getpid()}"
+
+
+OmegaConf.register_new_resolver("quantmla.launch", _launch_name, use_cache=True, replace=True)
+
+
 class ConfigError(ValueError):
     """Bad input, reported as one line before anything heavy runs."""
 
@@ -41,12 +52,28 @@ def group_options(group: str) -> list[str]:
     return sorted(p.stem for p in d.glob("*.yaml")) if d.is_dir() else []
 
 
-def make(node):
+def checked(node, where: str) -> dict:
+    """A config group node as plain values, checked against the fields of the dataclass it instantiates
+    (unknown keys refused, each value of its field's type) and normalised (:mod:`quantmla.schema`)."""
+    from hydra.utils import get_class
+
+    from quantmla.schema import typed
+
+    values = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+    if not isinstance(values, dict) or "_target_" not in values:
+        raise ConfigError(f"{where} is not a config group node (it has no _target_)")
+    cls = get_class(values["_target_"])
+    if not dataclasses.is_dataclass(cls):
+        return values
+    return typed(where, values, cls, ignore=("_target_", "name"))
+
+
+def make(node, where: str = "config"):
     """Instantiate a config group node, dropping its display ``name`` where the class has no such field."""
     from hydra.errors import InstantiationException
     from hydra.utils import get_class, instantiate
 
-    node = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+    node = checked(node, where)
     cls = get_class(node["_target_"])
     fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
     name = node.get("name")
@@ -71,39 +98,52 @@ class Plan:
     eval: object
     logger: object
     calibration: object
+    record: dict  # the resolved config, checked and normalised: what the run id is made of
+
+    def run_record(self):
+        from quantmla.tracking import RunRecord
+
+        return RunRecord(self.record["runs_dir"], self.record["sweep"], self.record)
 
 
 def plan(cfg: DictConfig) -> Plan:
     """Build and validate everything a run needs, loading no model."""
-    from quantmla import methods
+    from quantmla import methods, schema
     from quantmla.cache import CacheSpec
     from quantmla.data import CalibrationData
     from quantmla.kernels import PageFormat, check_backend
-    from quantmla.models import resolve_device
+    from quantmla.models import resolve_device, resolve_dtype
 
     try:
-        model = make(cfg.model)
-        method_cfg = make(cfg.method)
+        container = OmegaConf.to_container(cfg, resolve=True)
+        top = schema.settings(container)
+        groups = {g: checked(container[g], g) for g in ("model", "method", "eval", "logger")}
+        groups["calibration"] = schema.typed("calibration", container["calibration"], CalibrationData)
+        schema.check_device(top["device"])
+        schema.check_runs_dir(top["runs_dir"], top["sweep"])
+        model = make(groups["model"], "model")
+        method_cfg = make(groups["method"], "method")
         spec = CacheSpec.parse(
-            cfg.bits.name,
-            group=int(cfg.bits.group),
-            sink=int(cfg.protect.sink),
-            recent=int(cfg.protect.recent),
-            protect=bool(cfg.protect.enabled),
-            exact=bool(cfg.get("exact", False)),
+            top["bits"]["name"],
+            group=top["bits"]["group"],
+            sink=top["protect"]["sink"],
+            recent=top["protect"]["recent"],
+            protect=top["protect"]["enabled"],
+            exact=top.get("exact", False),
         )
         method = methods.get(method_cfg)
-        ev = make(cfg.eval)
-        logger = make(cfg.logger)
-        calibration = CalibrationData(**OmegaConf.to_container(cfg.calibration, resolve=True))
+        ev = make(groups["eval"], "eval")
+        logger = make(groups["logger"], "logger")
+        calibration = CalibrationData(**groups["calibration"])
         d_c, d_r = model.check()
         spec.check_dims(d_c, d_r)
-        backend, device = str(cfg.get("backend", "auto")), resolve_device(str(cfg.device))
-        if getattr(model, "device_map", None) and str(cfg.device) not in ("auto", "cuda"):
+        backend, device = top.get("backend", "auto"), resolve_device(top["device"])
+        if getattr(model, "device_map", None) and top["device"] not in ("auto", "cuda"):
             raise ConfigError(
-                f"model.device_map={model.device_map} spreads the model over the GPUs: leave device=auto, not {cfg.device}"
+                f"model.device_map={model.device_map} spreads the model over the GPUs: leave device=auto, not {top['device']}"
             )
         check_backend(backend, device)
+        resolve_dtype(str(getattr(model, "dtype", "auto")), device)
         PageFormat(spec.content_bits, spec.rope_bits, d_c, d_r, spec.group)  # the cache layout can hold it
         method.check(spec)
         method.check_dims(d_c, d_r)
@@ -116,27 +156,37 @@ def plan(cfg: DictConfig) -> Plan:
     except Exception as e:  # noqa: BLE001 - every validation failure becomes one line
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(msg) from e
-    return Plan(cfg, model, method, spec, ev, logger, calibration)
+    return Plan(cfg, model, method, spec, ev, logger, calibration, container | top | groups)
 
 
 def run(cfg: DictConfig) -> dict:
     """Run one job (skipped if its record is already done); returns its metrics."""
-    from quantmla.tracking import RunRecord
+    return run_plan(plan(cfg))
 
-    p = plan(cfg)
-    container = OmegaConf.to_container(cfg, resolve=True)
-    record = RunRecord(cfg.runs_dir, cfg.sweep, container)
+
+def run_plan(p: Plan) -> dict:
+    """Run a validated job. One process at a time computes a run: a second one waits for the first
+    and then skips the run it finished (or retries the run it left failed)."""
+    from quantmla.files import one_writer
+
+    record = p.run_record()
     if record.done:
         log.info("skip %s (done): %s", record.id, record.dir)
         return record.metrics()
-    record.start()
-    log.info("run %s → %s", record.id, record.dir)
-    try:
-        with record.watch_signals():
-            return _execute(p, cfg, record)
-    except BaseException as e:
-        record.fail(e)
-        raise
+    with one_writer(record.dir, f"run {record.id}") as waited:
+        if record.done:
+            log.info(
+                "skip %s (done by another process%s): %s", record.id, " while this one waited" * waited, record.dir
+            )
+            return record.metrics()
+        record.start()
+        log.info("run %s → %s", record.id, record.dir)
+        try:
+            with record.watch_signals():
+                return _execute(p, p.cfg, record)
+        except BaseException as e:
+            record.fail(e)
+            raise
 
 
 def prepare(p: Plan, cfg: DictConfig):
@@ -202,12 +252,51 @@ def _hydra_main():
     @hydra.main(config_path=str(conf_dir()), config_name="run", version_base="1.3")
     def main(cfg: DictConfig) -> None:
         try:
-            run(cfg)
+            p = plan(cfg)
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
+        if not _multirun():
+            run_plan(p)
+            return
+        try:  # a sweep goes on past a failed job, and lists every failure when it ends
+            run_plan(p)
+            _job_result(p, None)
+        except Exception as e:  # noqa: BLE001 - recorded in the run folder, reported by analysis.callbacks
+            _job_result(p, e)
 
     return main
+
+
+def _multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def _job_result(p: Plan, error: Exception | None) -> None:
+    """``job.json`` in the Hydra job folder: what the sweep's end reports (analysis.callbacks.SweepTable)."""
+    import json
+
+    from hydra.core.hydra_config import HydraConfig
+
+    from quantmla.files import reason, write_atomic
+
+    hc = HydraConfig.get()
+    record = p.run_record()
+    result = {"run": record.id, "dir": str(record.dir), "overrides": list(hc.overrides.task)}
+    if error is None:
+        result["status"] = "done"
+    else:
+        result |= {"status": "failed", "error": reason(error)}
+        log.error(
+            "failed %s (%s): %s; traceback in %s", record.id, " ".join(result["overrides"]), result["error"],
+            record.dir / "error.txt",
+        )  # fmt: skip
+    out = Path(hc.runtime.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / "job.json", json.dumps(result, indent=1))
 
 
 def _sweep_jobs(overrides: list[str]) -> list[list[str]]:
@@ -235,6 +324,7 @@ def validate_argv(argv: list[str]) -> None:
     overrides = [a for a in argv if not a.startswith("-") and "=" in a]
     groups = ("model", "method", "bits", "eval", "logger", "calibration", "experiment", "row")
     job_overrides = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
+    hydra_overrides = [o for o in overrides if o.lstrip("+~").startswith("hydra")]
     try:
         jobs = _sweep_jobs(job_overrides)
     except HydraException as e:
@@ -247,39 +337,70 @@ def validate_argv(argv: list[str]) -> None:
                 raise ConfigError(f"unknown {key} '{value}'; choose one of: {', '.join(group_options(key))}{hint}")
     multirun = any(a in ("-m", "--multirun") for a in argv)
     with initialize_config_dir(str(conf_dir()), version_base="1.3"):
-        for job in jobs:
-            for sub in _config_sweep(job) if multirun else [job]:
-                try:
-                    cfg = compose("run", overrides=sub)
-                except HydraException as e:
-                    raise ConfigError(str(e).strip().splitlines()[0]) from None
+        _check_hydra_groups(hydra_overrides)
+        for i, job in enumerate(jobs):
+            full = _compose_full(job, hydra_overrides) if multirun or i == 0 else None
+            for sub in _config_sweep(job, hydra_overrides, full) if multirun else [job]:
+                if sub == job and full is not None:  # the job itself: its config is the one just composed
+                    cfg = OmegaConf.masked_copy(full, [k for k in full if k != "hydra"])
+                else:
+                    try:
+                        cfg = compose("run", overrides=sub)
+                    except HydraException as e:
+                        raise ConfigError(str(e).strip().splitlines()[0]) from None
                 plan(cfg)
 
 
-def _config_sweep(job: list[str]) -> list[list[str]]:
-    """The jobs a sweep's ``hydra.sweeper.params`` (set by an experiment file) adds to ``job``;
-    keys given on the command line win, as in Hydra's basic sweeper."""
+def _check_hydra_groups(overrides: list[str]) -> None:
+    """``hydra/<group>=<option>`` names an option Hydra has (launchers come from installed plugins too)."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    loader = GlobalHydra.instance().config_loader()
+    for o in overrides:
+        key, _, value = o.lstrip("+~").partition("=")
+        if key.startswith("hydra/"):
+            options = loader.get_group_options(key)
+            if value not in options:
+                raise ConfigError(f"unknown {key} '{value}'; choose one of: {', '.join(options)}")
+
+
+def _compose_full(job: list[str], hydra_overrides: list[str] = ()) -> DictConfig:
+    """``job``'s config with Hydra's own (which checks the command line's ``hydra`` overrides)."""
     from hydra import compose
     from hydra.errors import HydraException
 
     try:
-        params = compose("run", overrides=job, return_hydra_config=True).hydra.sweeper.get("params") or {}
+        return compose("run", overrides=[*job, *hydra_overrides], return_hydra_config=True)
     except HydraException as e:
         raise ConfigError(str(e).strip().splitlines()[0]) from None
+
+
+def _config_sweep(job: list[str], hydra_overrides: list[str] = (), full: DictConfig | None = None) -> list[list[str]]:
+    """The jobs a sweep's ``hydra.sweeper.params`` (set by an experiment file) adds to ``job``;
+    keys given on the command line win, as in Hydra's basic sweeper."""
+    full = full if full is not None else _compose_full(job, hydra_overrides)
+    params = full.hydra.sweeper.get("params") or {}
     given = {o.lstrip("+~").partition("=")[0] for o in job}
     extra = [f"{k}={v}" for k, v in params.items() if k.lstrip("+~") not in given]
     return [job + sub for sub in _sweep_jobs(extra)] if extra else [job]
 
 
 def cli(argv: list[str] | None = None) -> None:
+    from quantmla.tracking import exit_code, terminate_by_exception
+
     argv = sys.argv[1:] if argv is None else argv
-    if not any(a in ("-h", "--help", "--hydra-help", "--info", "-c", "--cfg") for a in argv):
+    with terminate_by_exception():
         try:
-            validate_argv(argv)
-        except ConfigError as e:
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(2)
-    _hydra_main()()
+            if not any(a in ("-h", "--help", "--hydra-help", "--info", "-c", "--cfg") for a in argv):
+                try:
+                    validate_argv(argv)
+                except ConfigError as e:
+                    print(f"error: {e}", file=sys.stderr)
+                    sys.exit(2)
+            _hydra_main()()
+        except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the run is recorded interrupted
+            print(f"interrupted (exit {exit_code(e)})", file=sys.stderr)
+            sys.exit(exit_code(e))
 
 
 if __name__ == "__main__":

@@ -4,14 +4,20 @@ Each run owns ``<runs_dir>/<sweep>/<run-id>/`` holding the resolved ``config.yam
 ``metrics.json``, ``status`` (``running`` / ``done`` / ``failed`` / ``interrupted``, the
 traceback in ``error.txt``) and ``env.json`` (library versions, git revision, host). The run id
 is a hash of the resolved config without the fields that only say where and how to log, so
-launching a sweep again skips the runs that finished and retries the others. Files are
-written atomically: a crash never leaves a half-written record marked done.
+launching a sweep again skips the runs that finished and retries the others.
+
+Files are written atomically (:mod:`quantmla.files`) and checked when read back: a record is
+done only if its status says so, its ``metrics.json`` is a JSON object and its ``config.yaml``
+is the config of its run id. A damaged file is set aside (``<name>.corrupt-<time>``) and the run
+computed again. One process at a time computes a run: its folder's lock is held from the check
+that it is not done to the end of the run.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import platform
 import signal
@@ -20,11 +26,16 @@ import sys
 import threading
 import traceback
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 
 import yaml
+
+from quantmla.files import reason, remove_stale_temps, set_aside, write_atomic
+
+log = logging.getLogger("quantmla")
 
 LOG_KEYS = ("logger", "runs_dir", "sweep", "hydra")
 """Top-level config keys that do not change what a run computes."""
@@ -59,12 +70,6 @@ def run_id(cfg: dict) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def environment() -> dict:
     versions = {}
     for name in VERSIONED:
@@ -91,8 +96,136 @@ def environment() -> dict:
     }
 
 
-class Terminated(BaseException):
-    """SIGTERM arrived during a run (``kill``, a scheduler's time limit)."""
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived (``kill``, a scheduler's time limit). A kind of KeyboardInterrupt, so what
+    Ctrl-C saves (a calibration's checkpoint, the record marked ``interrupted``) SIGTERM saves too."""
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        super().__init__(f"signal {signum}")
+        self.signum = int(signum)
+
+
+def exit_code(exc: KeyboardInterrupt) -> int:
+    """The conventional exit status of a process ended by a signal: 128 + its number."""
+    return 128 + getattr(exc, "signum", signal.SIGINT)
+
+
+@contextmanager
+def terminate_by_exception():
+    """While the block runs in the main thread, SIGTERM raises :class:`Terminated` (where no other
+    handler is installed), so it unwinds like Ctrl-C instead of killing the process on the spot."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) not in (
+        signal.SIG_DFL,
+        None,
+    ):
+        yield
+        return
+
+    def on_term(signum, frame):
+        raise Terminated(signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+STATES = ("running", "done", "failed", "interrupted")
+
+
+class Damaged(ValueError):
+    """A record file that exists but does not hold what it should."""
+
+
+def read_status(path: Path) -> str | None:
+    """The state in a ``status`` file; None if there is none; Damaged if it is not one of STATES."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        state = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise Damaged("not UTF-8 text") from None
+    if state not in STATES:
+        raise Damaged(f"'{state[:40]}' is not one of {', '.join(STATES)}" if state else "empty")
+    return state
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON file that must hold an object; Damaged (with what is wrong) otherwise."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise Damaged("missing") from None
+    except UnicodeDecodeError:
+        raise Damaged("not UTF-8 text") from None
+    if not text.strip():
+        raise Damaged("empty")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise Damaged(f"not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise Damaged(f"holds a {type(value).__name__}, not an object")
+    return value
+
+
+def read_config(path: Path) -> dict:
+    """A run's ``config.yaml``: a YAML mapping; Damaged otherwise."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise Damaged("missing") from None
+    except UnicodeDecodeError:
+        raise Damaged("not UTF-8 text") from None
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise Damaged(f"not YAML ({reason(e)})") from None
+    if not isinstance(value, dict):
+        raise Damaged("empty" if value is None else f"holds a {type(value).__name__}, not a mapping")
+    return value
+
+
+@dataclass
+class Inspection:
+    """What a record folder holds, read and checked: its state, config and metrics (when done), and
+    ``damaged``: file name -> what is wrong with it."""
+
+    status: str | None = None
+    config: dict | None = None
+    metrics: dict | None = None
+    damaged: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def done(self) -> bool:
+        return self.status == "done" and self.metrics is not None and self.config is not None
+
+
+def check_record(d: Path, expected_id: str | None = None) -> Inspection:
+    """Read and check the record in folder ``d``; ``expected_id``: the run id its config must have."""
+    out = Inspection()
+    try:
+        out.status = read_status(d / "status")
+    except Damaged as e:
+        out.damaged["status"] = str(e)
+    if out.status is None and not out.damaged:
+        return out
+    try:
+        config = read_config(d / "config.yaml")
+        if expected_id is not None and run_id(config) != expected_id:
+            raise Damaged(f"holds the config of run {run_id(config)}, not of {expected_id}")
+        out.config = config
+    except Damaged as e:
+        out.damaged["config.yaml"] = str(e)
+    if out.status == "done":
+        try:
+            out.metrics = read_json_object(d / "metrics.json")
+        except Damaged as e:
+            out.damaged["metrics.json"] = str(e)
+    return out
 
 
 class RunRecord:
@@ -101,30 +234,40 @@ class RunRecord:
         self.id = run_id(cfg)
         self.dir = Path(runs_dir) / sweep / self.id
 
+    def inspect(self) -> Inspection:
+        return check_record(self.dir, self.id)
+
     @property
     def status(self) -> str | None:
-        p = self.dir / "status"
-        return p.read_text().strip() if p.exists() else None
+        return self.inspect().status
 
     @property
     def done(self) -> bool:
-        return self.status == "done" and (self.dir / "metrics.json").exists()
+        return self.inspect().done
 
     def metrics(self) -> dict:
-        return json.loads((self.dir / "metrics.json").read_text())
+        found = self.inspect()
+        if not found.done:
+            raise Damaged(f"run {self.id} is not done: {found.damaged or found.status}")
+        return found.metrics
 
     def start(self) -> None:
+        """Begin (again) in the record's folder; call while holding its lock (:func:`quantmla.files.one_writer`).
+        Damaged files are set aside, a failed attempt's leftovers removed."""
         self.dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(self.dir)
+        for name, why in self.inspect().damaged.items():
+            set_aside(self.dir / name, why)
         for stale in ("metrics.json", "error.txt"):
             (self.dir / stale).unlink(missing_ok=True)
-        _write(self.dir / "config.yaml", yaml.safe_dump(self.cfg, sort_keys=False))
+        write_atomic(self.dir / "config.yaml", yaml.safe_dump(self.cfg, sort_keys=False))
         env = environment() | {"started": datetime.now(UTC).isoformat()}
-        _write(self.dir / "env.json", json.dumps(env, indent=2))
-        _write(self.dir / "status", "running\n")
+        write_atomic(self.dir / "env.json", json.dumps(env, indent=2))
+        write_atomic(self.dir / "status", "running\n")
 
     def finish(self, metrics: dict) -> None:
-        _write(self.dir / "metrics.json", json.dumps(metrics, indent=2, default=float))
-        _write(self.dir / "status", "done\n")
+        write_atomic(self.dir / "metrics.json", json.dumps(metrics, indent=2, default=float))
+        write_atomic(self.dir / "status", "done\n")
 
     @contextmanager
     def watch_signals(self):
@@ -140,11 +283,11 @@ class RunRecord:
         previous = signal.getsignal(signal.SIGTERM)
 
         def on_term(signum, frame):
-            _write(self.dir / "status", "interrupted\n")
+            write_atomic(self.dir / "status", "interrupted\n")
             if callable(previous):
                 previous(signum, frame)
             elif previous != signal.SIG_IGN:
-                raise Terminated(f"signal {signum}")
+                raise Terminated(signum)
 
         signal.signal(signal.SIGTERM, on_term)
         try:
@@ -154,27 +297,43 @@ class RunRecord:
 
     def fail(self, exc: BaseException) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        state = "interrupted" if isinstance(exc, (KeyboardInterrupt, Terminated)) else "failed"
+        state = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        _write(self.dir / "error.txt", tb)
-        _write(self.dir / "status", f"{state}\n")
+        write_atomic(self.dir / "error.txt", tb)
+        write_atomic(self.dir / "status", f"{state}\n")
+
+
+@dataclass
+class Scan:
+    """The records under a folder: ``runs`` (done, readable: dir, config, metrics), ``damaged``
+    (``(file, what is wrong)``) and ``unfinished`` (state -> how many records are in it)."""
+
+    runs: list[dict] = field(default_factory=list)
+    damaged: list[tuple[Path, str]] = field(default_factory=list)
+    unfinished: dict[str, int] = field(default_factory=dict)
+
+
+def scan_runs(root: str | Path) -> Scan:
+    """Every record under ``root`` (recursively), each read and checked."""
+    out = Scan()
+    for status in sorted(Path(root).rglob("status")):
+        d = status.parent
+        found = check_record(d)
+        out.damaged += [(d / name, why) for name, why in found.damaged.items()]
+        if found.done:
+            out.runs.append({"dir": str(d), "config": found.config, "metrics": found.metrics})
+        elif found.status and found.status != "done":
+            out.unfinished[found.status] = out.unfinished.get(found.status, 0) + 1
+    return out
 
 
 def read_runs(root: str | Path) -> list[dict]:
-    """Every finished run under ``root`` (recursively): its config, metrics and folder."""
-    out = []
-    for status in sorted(Path(root).rglob("status")):
-        d = status.parent
-        if status.read_text().strip() != "done" or not (d / "metrics.json").exists():
-            continue
-        out.append(
-            {
-                "dir": str(d),
-                "config": yaml.safe_load((d / "config.yaml").read_text()),
-                "metrics": json.loads((d / "metrics.json").read_text()),
-            }
-        )
-    return out
+    """Every finished, readable run under ``root`` (recursively): its config, metrics and folder.
+    Damaged records are left out, each named in a warning."""
+    scan = scan_runs(root)
+    for path, why in scan.damaged:
+        log.warning("%s is damaged (%s): run left out", path, why)
+    return scan.runs
 
 
 class NullLogger:

@@ -57,7 +57,7 @@ def test_cache_reuse_and_resume_after_ctrl_c(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         m.calibrate(model, mla.adapters(model), method_context(tok, tmp_path / "b"))
     ckpt = list((tmp_path / "b").rglob("checkpoint.pt"))
-    assert len(ckpt) == 1 and torch.load(ckpt[0], weights_only=False)["step"] == 3
+    assert len(ckpt) == 1 and torch.load(ckpt[0], weights_only=True)["step"] == 3
 
     m = methods.get(cfg)
     seen = []

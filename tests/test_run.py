@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from fault_tools import broken_checkpoint
 from hydra import compose, initialize_config_dir
 
 from quantmla.run import ConfigError, conf_dir, group_options, plan
@@ -76,6 +77,12 @@ def _cli(*args, cwd=None, timeout=300):
     )
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _llama_folder(tmp_path):
     from transformers import LlamaConfig
 
@@ -98,6 +105,11 @@ def _llama_folder(tmp_path):
         (["model=deepseek_v2_lite"], "is not available offline"),
         (["-m", "bits.name=c4r4,c6r4"], "content bits 6 is not supported"),
         (["bits=c3r8"], "(any other CxRy: bits.name=c3r8)"),
+        (["eval.seq_len=5000", "eval.max_tokens=5000"], "ppl seq_len 5000 exceeds the model's context (4096"),
+        pytest.param(
+            ["device=cuda"], "device=cuda: CUDA is not available", marks=pytest.mark.skipif(_cuda(), reason="has CUDA")
+        ),
+        (["-m", "hydra/launcher=nosuch"], "unknown hydra/launcher 'nosuch'; choose one of: basic, joblib, slurm"),
     ],
 )
 def test_bad_input_one_line_before_loading(args, expect, tmp_path):
@@ -132,13 +144,13 @@ def test_local_checkpoint_runs(tiny_folder, tmp_path):
     assert json.loads(metrics.read_text())["tokens"] == 2 * 127
 
 
-def test_failed_run_is_recorded_failed_not_done(tmp_path):
-    # seq_len beyond the model's context passes validation but fails once the model is loaded
-    r = _cli("eval.seq_len=5000", "eval.max_tokens=5000", f"runs_dir={tmp_path}", "logger=none", cwd=tmp_path)
+def test_failed_run_is_recorded_failed_not_done(tmp_path, tiny_folder):
+    broken = broken_checkpoint(tiny_folder, tmp_path / "broken")
+    r = _cli("model=local", f"model.path={broken}", f"runs_dir={tmp_path}", "logger=none", cwd=tmp_path)
     assert r.returncode != 0
     (status,) = list(tmp_path.rglob("status"))
     assert status.read_text().strip() == "failed"
-    assert "exceeds the model's context" in (status.parent / "error.txt").read_text()
+    assert "size mismatch" in (status.parent / "error.txt").read_text() or "mismatch" in r.stderr
     assert not (status.parent / "metrics.json").exists()
 
 
@@ -242,7 +254,7 @@ def test_sigterm_marks_the_run_interrupted(tmp_path):
     p.send_signal(signal.SIGTERM)
     p.wait(timeout=60)
     (status,) = list(tmp_path.rglob("status"))
-    assert p.returncode != 0
+    assert p.returncode == 128 + signal.SIGTERM  # the conventional status of a process ended by SIGTERM
     assert status.read_text().strip() == "interrupted"
     assert "Terminated" in (status.parent / "error.txt").read_text()
 

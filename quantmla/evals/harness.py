@@ -153,7 +153,9 @@ class LMEval(Eval):
             max_length=self.max_length or ctx.max_positions,
             enable_thinking=self.enable_thinking,
         )
-        cache = Path(ctx.work_dir) / "lm_eval_responses" if ctx.work_dir else None
+        cache = Path(ctx.work_dir) / "lm_eval_responses.sqlite" if ctx.work_dir else None
+        if cache:
+            lm.keep_responses(cache)  # JSON in SQLite, checked when read back; never lm-eval's pickles
         out = {k: {} for k in ("results", "subtasks", "n_samples", "n_shot", "sources", "unavailable")}
         for spec in self.specs():
             if spec.external:
@@ -167,8 +169,6 @@ class LMEval(Eval):
                 continue
             groups = loaded.get("groups", {})
             objs = [groups[spec.task]] if spec.task in groups else list(loaded["tasks"].values())
-            if cache:
-                cache.parent.mkdir(parents=True, exist_ok=True)
             res = simple_evaluate(
                 model=lm,
                 tasks=objs,
@@ -180,7 +180,6 @@ class LMEval(Eval):
                 confirm_run_unsafe_code=self.confirm_run_unsafe_code,
                 bootstrap_iters=self.bootstrap_iters,
                 log_samples=False,
-                use_cache=str(cache) if cache else None,
                 random_seed=self.seed,
                 numpy_random_seed=self.seed,
                 torch_random_seed=self.seed,
@@ -197,7 +196,8 @@ class LMEval(Eval):
             out["n_shot"][spec.task] = shots.pop() if len(shots) == 1 else sorted(s for s in shots if s is not None)
             out["sources"][spec.task] = source
         if cache:
-            for f in cache.parent.glob(cache.name + "*"):
+            lm.responses.close()
+            for f in cache.parent.glob("lm_eval_responses*"):
                 f.unlink()  # responses are kept only to resume an interrupted run
         if self.suite:
             out.update(averages.suite_report(self.suite, out["results"], out["unavailable"]))

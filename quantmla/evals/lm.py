@@ -22,10 +22,15 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 from quantmla import attention, placement
+from quantmla.evals.responses import ResponseCache
+
+
+class CachedHFLM(ResponseCache, HFLM):
+    """lm-eval's ``HFLM`` with the run's response cache (:mod:`quantmla.evals.responses`)."""
 
 
 @register_model("quantmla")
-class QuantMLALM(HFLM):
+class QuantMLALM(ResponseCache, HFLM):
     def __init__(self, pretrained, tokenizer, batch_size: int = 1, max_length: int | None = None, **kwargs):
         if isinstance(pretrained, str):
             raise TypeError(
@@ -57,4 +62,4 @@ def language_model(model, tokenizer, batch_size: int = 1, max_length: int | None
     comparison needs, e.g. the checkpoint an MLA conversion started from)."""
     if attention.latent_layers(model):
         return QuantMLALM(model, tokenizer, batch_size=batch_size, max_length=max_length, **kwargs)
-    return HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length, **kwargs)
+    return CachedHFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length, **kwargs)

@@ -268,10 +268,22 @@ def folder() -> Path:
         except metadata.PackageNotFoundError:
             versions.append(f"{p.dist}-none")
     root = cache_root() / "lm_eval_mirrors" / f"v{FORMAT}-lm_eval-{lm_eval.__version__}-{'-'.join(versions)}"
+    if (root / "manifest.json").exists() and not _readable(root / "manifest.json"):
+        from quantmla.files import set_aside
+
+        set_aside(root, "its manifest.json does not read")  # the whole mirror: it is built again
     if not (root / "manifest.json").exists():
         root.parent.mkdir(parents=True, exist_ok=True)
         _build(root)
     return root
+
+
+def _readable(manifest: Path) -> bool:
+    try:
+        m = json.loads(manifest.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(m, dict) and isinstance(m.get("tasks"), dict) and isinstance(m.get("datasets"), dict)
 
 
 @lru_cache(maxsize=4)

@@ -39,6 +39,14 @@ class Perplexity(Eval):
             raise ValueError(f"unknown ppl source '{self.source}'; choose one of {', '.join(data.TEXT_SOURCES)}")
         data.wiki_path()
 
+    def check_model(self, config) -> None:
+        limit = getattr(config, "max_position_embeddings", None)
+        if limit and self.seq_len > limit:
+            raise ValueError(
+                f"ppl seq_len {self.seq_len} exceeds the model's context ({limit} tokens, "
+                "max_position_embeddings); lower eval.seq_len"
+            )
+
     def windows(self, tokenizer) -> torch.Tensor:
         stream = data.token_stream(tokenizer, data.texts(self.source, self.split))
         total = stream.numel() // self.seq_len

@@ -16,7 +16,10 @@ Every path's result is stored under ``MethodContext.cache_dir/quantmla/<key>/`` 
 with the config that made it, keyed by a hash of (model weights and config, method config, the
 path's bit width, calibration windows); later runs reuse it. C4R4 and C2R4 therefore share the
 RoPE calibration, and the ablation rows share the content calibration. ``checkpoint.pt`` in the
-same folder lets an interrupted calibration resume.
+same folder lets an interrupted calibration resume. One process at a time computes an entry (its
+folder's lock; another process that needs it waits, then reuses it), and a stored entry is checked
+when read (its key, layers, fields, shapes, finite values): a damaged one is set aside and computed
+again.
 
 Named deviations from the paper's recipe, all off by default: ``paths`` (Table 3's ablation:
 content / RoPE transform on or off; protection is the run's ``protect.enabled``),
@@ -30,6 +33,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,6 +53,7 @@ from quantmla.calibration import (
     heldout_mean,
     rope_loss,
 )
+from quantmla.files import one_writer, reason, remove_stale_temps, replacing, set_aside, write_atomic
 from quantmla.methods import Method, MethodConfig, MethodContext, register
 from quantmla.optim import Schedule, train_path
 from quantmla.transforms import (
@@ -292,16 +297,32 @@ class QuantMLA(Method):
         }
         return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:24]
 
-    def _load(self, folder: Path, key: str) -> list[dict] | None:
+    def _load(self, folder: Path, key: str, shapes: dict[str, tuple], layers: int) -> list[dict] | None:
+        """The stored result of entry ``key`` (None if there is none); a damaged one is set aside."""
         f = folder / "transforms.safetensors"
         if not (self.config.cache and f.exists()):
             return None
-        with safe_open(str(f), "pt") as handle:
-            if (handle.metadata() or {}).get("key") != key:
-                return None
-        state = load_file(f)
-        n = 1 + max(int(k.split(".")[0]) for k in state)
-        return [{k.split(".", 1)[1]: v for k, v in state.items() if k.split(".")[0] == str(i)} for i in range(n)]
+        try:
+            with safe_open(str(f), "pt") as handle:
+                if (handle.metadata() or {}).get("key") != key:
+                    raise ValueError("it was written for another key")
+            state = load_file(f)
+            result = [{} for _ in range(layers)]
+            for name, v in state.items():
+                i, field_ = name.split(".", 1)
+                if not i.isdigit() or int(i) >= layers or field_ not in shapes:
+                    raise ValueError(f"unexpected tensor '{name}' for {layers} layers of {', '.join(shapes)}")
+                if tuple(v.shape) != shapes[field_] or not torch.isfinite(v).all():
+                    raise ValueError(
+                        f"tensor '{name}' has shape {tuple(v.shape)} (expected {shapes[field_]}) or non-finite values"
+                    )
+                result[int(i)][field_] = v
+            if any(t.keys() != shapes.keys() for t in result):
+                raise ValueError(f"some layers lack {', '.join(shapes)}")
+        except Exception as e:  # noqa: BLE001 - any failure means the file cannot be trusted
+            set_aside(f, reason(e))
+            return None
+        return result
 
     def _save(self, folder: Path, key: str, path: str, bits: int, result: list[dict], report: dict, ctx) -> None:
         folder.mkdir(parents=True, exist_ok=True)
@@ -314,14 +335,13 @@ class QuantMLA(Method):
             "method": json.dumps(self.config.to_dict()),
             "calibration": json.dumps(ctx.calibration.to_dict()),
         }
-        tmp = folder / "transforms.safetensors.tmp"
-        save_file(state, str(tmp), metadata=meta)
-        tmp.replace(folder / "transforms.safetensors")
-        (folder / "config.json").write_text(json.dumps(meta | {"result": report}, indent=2, default=str))
+        write_atomic(folder / "config.json", json.dumps(meta | {"result": report}, indent=2, default=str))
+        with replacing(folder / "transforms.safetensors") as tmp:  # last: its presence says the entry is complete
+            save_file(state, str(tmp), metadata=meta)
 
     # -- calibration ---------------------------------------------------------------------------------
     def calibrate(self, model, adapters, ctx: MethodContext) -> dict:
-        cfg, spec, cal = self.config, ctx.spec, ctx.calibration
+        spec, cal = ctx.spec, ctx.calibration
         self.info = {}
         todo = self._todo(spec)
         if not todo:
@@ -334,57 +354,73 @@ class QuantMLA(Method):
         for p, bits in todo.items():
             key = self._key(p, bits, model_fp, data_fp, ctx)
             folders[p] = (Path(ctx.cache_dir) / "quantmla" / key, key)
-            cached = self._load(*folders[p])
-            if cached is not None:
-                if len(cached) != len(adapters):
-                    raise ValueError(
-                        f"cached QuantMLA transforms in {folders[p][0]} have {len(cached)} layers, the model {len(adapters)}"
-                    )
-                results[p] = cached
-                self.info[f"cached_{p}"] = 1
-                log.info("QuantMLA %s path: reusing %s", p, folders[p][0])
+        self._reuse(todo, folders, results, adapters)
         need = [p for p in todo if p not in results]
         self._live = [live_channels(a) for a in adapters]
-        if need:
-            devices = [placement.execution_device(a.module) for a in adapters]
-            budget = cfg.teacher_cache_gb * 2**30
-            a_C, a_P = activation_percentiles(model, train, cal.batch_size, cfg.percentile / 100, ctx.progress)
-            held = Teacher(model, heldout, cal.batch_size, outputs=True, cache_bytes=budget)
-            log_s0 = self._alpha_init(held, a_C, a_P, need, todo, spec, ctx.progress)
-            for p in need:
-                if p == "C":
-                    path = ContentPath(cfg, log_s0["C"], todo["C"], spec.group, devices, self._live)
-                else:
-                    pairs = [rope_pairs(a)[1] for a in adapters]
-                    path = RopePath(cfg, log_s0["P"], pairs, todo["P"], spec.group, devices)
-                folder, key = folders[p]
-                report = train_path(
-                    path,
-                    Teacher(model, train, cal.batch_size, outputs=path.needs_outputs, cache_bytes=budget),
-                    held,
-                    cfg.schedule,
-                    cal.seed,
-                    checkpoint=folder / "checkpoint.pt",
-                    key=key,
-                    desc=f"QuantMLA {'content' if p == 'C' else 'RoPE'} path",
-                    progress=ctx.progress,
-                    on_step=self.on_step,
-                )
-                results[p] = path.transforms()
-                self._save(folder, key, p, todo[p], results[p], report, ctx)
-                (folder / "checkpoint.pt").unlink(missing_ok=True)
-                self.info |= {
-                    f"step_{p}": report["step"],
-                    f"heldout_init_{p}": report["init_loss"],
-                    f"heldout_{p}": report["loss"],
-                    f"cached_{p}": 0,
-                }
+        with ExitStack() as held:
+            if need:  # one process computes an entry; the others wait for it, then reuse it
+                for p in sorted(need, key=lambda p: folders[p][1]):  # one order everywhere: no deadlock
+                    folder, key = folders[p]
+                    held.enter_context(one_writer(folder, f"QuantMLA {p} transforms {key}"))
+                    remove_stale_temps(folder)
+                self._reuse(need, folders, results, adapters)
+                need = [p for p in todo if p not in results]
+            if need:
+                self._train(model, adapters, ctx, train, heldout, todo, need, folders, results)
         transforms = [LayerTransform() for _ in adapters]
         for per_layer in results.values():
             for t, entries in zip(transforms, per_layer):
                 for k, v in entries.items():
                     setattr(t, k, v.detach().float().cpu())
         return to_state(transforms)
+
+    def _reuse(self, paths, folders: dict, results: dict, adapters) -> None:
+        """Stored results of ``paths`` into ``results``."""
+        d_c, d_r = adapters[0].dims.d_c, adapters[0].dims.d_r
+        shapes = {"C": {"R_C": (d_c, d_c), "s_C": (d_c,)}, "P": {"theta_P": (d_r // 2,), "s_P": (d_r // 2,)}}
+        for p in paths:
+            cached = self._load(*folders[p], shapes[p], len(adapters))
+            if cached is not None:
+                results[p] = cached
+                self.info[f"cached_{p}"] = 1
+                log.info("QuantMLA %s path: reusing %s", p, folders[p][0])
+
+    def _train(self, model, adapters, ctx, train, heldout, todo, need, folders, results) -> None:
+        """Learn the paths in ``need``, store each, and put their transforms into ``results``."""
+        cfg, spec, cal = self.config, ctx.spec, ctx.calibration
+        devices = [placement.execution_device(a.module) for a in adapters]
+        budget = cfg.teacher_cache_gb * 2**30
+        a_C, a_P = activation_percentiles(model, train, cal.batch_size, cfg.percentile / 100, ctx.progress)
+        held = Teacher(model, heldout, cal.batch_size, outputs=True, cache_bytes=budget)
+        log_s0 = self._alpha_init(held, a_C, a_P, need, todo, spec, ctx.progress)
+        for p in need:
+            if p == "C":
+                path = ContentPath(cfg, log_s0["C"], todo["C"], spec.group, devices, self._live)
+            else:
+                pairs = [rope_pairs(a)[1] for a in adapters]
+                path = RopePath(cfg, log_s0["P"], pairs, todo["P"], spec.group, devices)
+            folder, key = folders[p]
+            report = train_path(
+                path,
+                Teacher(model, train, cal.batch_size, outputs=path.needs_outputs, cache_bytes=budget),
+                held,
+                cfg.schedule,
+                cal.seed,
+                checkpoint=folder / "checkpoint.pt",
+                key=key,
+                desc=f"QuantMLA {'content' if p == 'C' else 'RoPE'} path",
+                progress=ctx.progress,
+                on_step=self.on_step,
+            )
+            results[p] = path.transforms()
+            self._save(folder, key, p, todo[p], results[p], report, ctx)
+            (folder / "checkpoint.pt").unlink(missing_ok=True)
+            self.info |= {
+                f"step_{p}": report["step"],
+                f"heldout_init_{p}": report["init_loss"],
+                f"heldout_{p}": report["loss"],
+                f"cached_{p}": 0,
+            }
 
     def _alpha_init(self, held: Teacher, a_C, a_P, need, todo, spec, progress) -> dict:
         """Spec §5.5: per path, the α of the grid with the lowest held-out path objective (R = I, θ = 0)."""

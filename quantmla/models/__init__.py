@@ -135,7 +135,11 @@ class PretrainedModel(Placement):
         d = self.local_dir()
         if not any(d.glob("*.safetensors")) and not any(d.glob("*.bin")):
             raise ModelUnavailable(f"model '{self.name}': {d} holds a config but no weights (*.safetensors, *.bin)")
-        return mla_dims(self.hf_config(), self.name)
+        dims = mla_dims(self.hf_config(), self.name)
+        from quantmla.models.weights import check_mla_weights
+
+        check_mla_weights(d, self.name)
+        return dims
 
     def load(self, device: str = "auto"):
         from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -196,7 +196,7 @@ def score(args) -> None:
     from quantmla.models import smollm2_mla as S
 
     dev = torch.device(args.device)
-    R = torch.load(args.requests, weights_only=False)
+    R = torch.load(args.requests, weights_only=True)
     t0 = time.time()
     src, _ = S.load_source(gguf=args.gguf)
     if args.model == "mla":
@@ -221,11 +221,11 @@ def score(args) -> None:
 def report(args) -> dict:
     from quantmla.models import smollm2_mla as S
 
-    R = torch.load(args.requests, weights_only=False)
+    R = torch.load(args.requests, weights_only=True)
     src, tok = S.load_source()
     results = {}
     for path in args.scores:
-        sc = torch.load(path, weights_only=False)
+        sc = torch.load(path, weights_only=True)
         table = {
             "ll": dict(zip(R["ll"], sc["ll"])),
             "gen": {ids: tok.decode(g, skip_special_tokens=True) for (ids, _), g in zip(R["gen"], sc["gen"])},
