@@ -322,7 +322,7 @@ class QuantMLA(Method):
     # -- calibration ---------------------------------------------------------------------------------
     def calibrate(self, model, adapters, ctx: MethodContext) -> dict:
         cfg, spec, cal = self.config, ctx.spec, ctx.calibration
-        self.info = {}
+        self.info, self.stored = {}, {}
         todo = self._todo(spec)
         if not todo:
             return {}
@@ -343,6 +343,7 @@ class QuantMLA(Method):
                 results[p] = cached
                 self.info[f"cached_{p}"] = 1
                 log.info("QuantMLA %s path: reusing %s", p, folders[p][0])
+        self.stored = {p: folder for p, (folder, _) in folders.items()}
         need = [p for p in todo if p not in results]
         self._live = [live_channels(a) for a in adapters]
         if need:
