@@ -68,6 +68,11 @@ class QuaRot(Method):
         default_block(d_c, self.config.content_block)
         default_block(d_r, self.config.rope_block, "RoPE key")
 
+    def online_work(self, spec) -> str | None:
+        if spec.rope_bits >= 16:
+            return None
+        return "QuaRot† rotates q_pe and k_pe by H_P after RoPE at every step (online: H_P does not commute with RoPE)"
+
     def calibrate(self, model, adapters, ctx: MethodContext) -> dict:
         spec, cfg = ctx.spec, self.config
         for mla in adapters:

@@ -190,8 +190,17 @@ def run_plan(p: Plan) -> dict:
 
 
 def prepare(p: Plan, cfg: DictConfig):
-    """(model, tokenizer) as a run evaluates them: loaded (spread over devices if the model config asks),
-    every MLA attention routed through the latent cache, the method applied, the cache format set."""
+    """(model, tokenizer) as a run evaluates them: :func:`fused`, then the cache format set."""
+    model, tokenizer, layers = fused(p, cfg)
+    for layer in layers:
+        layer.spec = p.spec
+    return model, tokenizer
+
+
+def fused(p: Plan, cfg: DictConfig):
+    """(model, tokenizer, latent layers): loaded (spread over devices if the model config asks), every MLA
+    attention routed through the latent cache, unquantized, and the method applied (calibration, reusing the
+    transforms stored under ``<runs_dir>/.transforms``, then offline fusion). Shared by runs and exports."""
     import torch
 
     from quantmla import attention, mla, placement
@@ -216,9 +225,7 @@ def prepare(p: Plan, cfg: DictConfig):
             progress=sys.stderr.isatty(),
         ),
     )
-    for layer in layers:
-        layer.spec = p.spec
-    return model, tokenizer
+    return model, tokenizer, layers
 
 
 def _execute(p: Plan, cfg: DictConfig, record) -> dict:

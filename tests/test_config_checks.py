@@ -47,7 +47,10 @@ def _plan(*overrides):
         (["protect.recent=1e3"], "protect.recent must be an integer, got 1000.0"),
         (["+typo=1"], "unknown config key 'typo'"),
         (["+bits.typo=1"], "unknown key bits.typo; bits takes: name, group"),
-        (["+model.typo=1"], "unknown key model.typo; model takes: device_map, max_memory, offload_folder, name, seed, layers"),
+        (
+            ["+model.typo=1"],
+            "unknown key model.typo; model takes: device_map, max_memory, offload_folder, name, seed, layers",
+        ),
         (["method=quantmla", "method.warmup=abc"], "method.warmup must be a number, got 'abc'"),
         (["calibration.seq_len=64.5"], "calibration.seq_len must be an integer, got 64.5"),
         (["device=foo"], "device 'foo' is not a device name (auto, cpu, cuda or cuda:N)"),

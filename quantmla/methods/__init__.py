@@ -50,12 +50,18 @@ class Method:
     def __init__(self, config: MethodConfig):
         self.config = config
         self.info: dict = {}  # numbers worth recording with the run (chosen α, losses, costs)
+        self.stored: dict[str, Path] = {}  # folder of the stored transforms each path used (methods that store them)
 
     def check(self, spec: CacheSpec) -> None:
         """Raise ValueError for a config this method cannot run, before anything heavy."""
 
     def check_dims(self, d_c: int, d_r: int) -> None:
         """Raise ValueError if the method cannot transform latents of these widths."""
+
+    def online_work(self, spec: CacheSpec) -> str | None:
+        """What the method computes at inference besides the fused weights, in words; None when its
+        whole transform folds into the weights (the fused model is then a plain checkpoint)."""
+        return None
 
     def calibrate(self, model, adapters: list[MLA], ctx: MethodContext) -> dict:
         return {}

@@ -342,7 +342,7 @@ class QuantMLA(Method):
     # -- calibration ---------------------------------------------------------------------------------
     def calibrate(self, model, adapters, ctx: MethodContext) -> dict:
         spec, cal = ctx.spec, ctx.calibration
-        self.info = {}
+        self.info, self.stored = {}, {}
         todo = self._todo(spec)
         if not todo:
             return {}
@@ -355,6 +355,7 @@ class QuantMLA(Method):
             key = self._key(p, bits, model_fp, data_fp, ctx)
             folders[p] = (Path(ctx.cache_dir) / "quantmla" / key, key)
         self._reuse(todo, folders, results, adapters)
+        self.stored = {p: folder for p, (folder, _) in folders.items()}
         need = [p for p in todo if p not in results]
         self._live = [live_channels(a) for a in adapters]
         with ExitStack() as held:
