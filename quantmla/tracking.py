@@ -153,14 +153,19 @@ def read_status(path: Path) -> str | None:
     return state
 
 
-def read_json_object(path: Path) -> dict:
-    """A JSON file that must hold an object; Damaged (with what is wrong) otherwise."""
+def _read_text(path: Path) -> str:
+    """A file's UTF-8 text; Damaged when it is missing or not text."""
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise Damaged("missing") from None
     except UnicodeDecodeError:
         raise Damaged("not UTF-8 text") from None
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON file that must hold an object; Damaged (with what is wrong) otherwise."""
+    text = _read_text(path)
     if not text.strip():
         raise Damaged("empty")
     try:
@@ -174,12 +179,7 @@ def read_json_object(path: Path) -> dict:
 
 def read_config(path: Path) -> dict:
     """A run's ``config.yaml``: a YAML mapping; Damaged otherwise."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise Damaged("missing") from None
-    except UnicodeDecodeError:
-        raise Damaged("not UTF-8 text") from None
+    text = _read_text(path)
     try:
         value = yaml.safe_load(text)
     except yaml.YAMLError as e:
