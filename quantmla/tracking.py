@@ -65,8 +65,15 @@ def _without(cfg: dict, key: str, default) -> dict:
     return {k: v for k, v in cfg.items() if k != head} if cfg[head] == default else cfg
 
 
+def _str_keys(x):
+    """``x`` with every mapping key a string (``model.max_memory`` mixes GPU indices and "cpu")."""
+    if isinstance(x, dict):
+        return {str(k): _str_keys(v) for k, v in x.items()}
+    return [_str_keys(v) for v in x] if isinstance(x, list | tuple) else x
+
+
 def run_id(cfg: dict) -> str:
-    blob = json.dumps(identity(cfg), sort_keys=True, default=str)
+    blob = json.dumps(_str_keys(identity(cfg)), sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 

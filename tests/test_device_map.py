@@ -86,6 +86,14 @@ def test_run_id_of_a_run_without_placement_is_kept():
     assert run_id(cfg | {"model": {"name": "tiny", "device_map": "auto"}}) != run_id(cfg)
 
 
+def test_a_budget_of_gpu_indices_and_cpu_memory_has_a_run_id():
+    # the normalised budget mixes int and str keys, which json.dumps(sort_keys=True) cannot order
+    p = plan(_compose("model.device_map=auto", "model.max_memory={0:20GiB,cpu:200GiB}"))
+    rid = p.run_record().id
+    other = plan(_compose("model.device_map=auto", "model.max_memory={0:10GiB,cpu:200GiB}")).run_record().id
+    assert len(rid) == 12 and rid != other
+
+
 def test_a_bad_placement_stops_the_command_line_with_one_line(tmp_path):
     env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}
     r = subprocess.run(
