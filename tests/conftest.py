@@ -90,6 +90,8 @@ _TEST_LOG = os.environ.get("QUANTMLA_TEST_LOG")
 def pytest_runtest_logreport(report):
     if not _TEST_LOG or (report.when != "call" and report.passed):
         return
+    if getattr(report, "node", None) is not None:  # under xdist: the worker has written it already
+        return
     with open(_TEST_LOG, "a") as f:
         f.write(f"{report.outcome.upper()} {report.when} {report.duration:.1f}s {report.nodeid}\n")
         if report.failed:
