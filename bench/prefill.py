@@ -107,7 +107,8 @@ def main(argv=None) -> None:
             timed_formats += [(f"{name}_exact", bits, True) for name, bits in FORMATS.items() if bits != (16, 16)]
         for name, bits, exact in timed_formats:
             data = inputs(bits, B, H, n, torch.Generator(DEV).manual_seed(B * n))
-            default = triton_prefill.default_config(H, n, data[5].fmt if data[5] else None, data[5] is not None, exact)
+            fmt = data[5].fmt if data[5] else PageFormat(*bits, d_c=512, d_r=64, dtype=torch.bfloat16)
+            default = triton_prefill.default_config(H, n, fmt, data[5] is not None, exact)
             ms = time_one(data, {"exact": True} if exact else None)
             row[f"{name}_ms"], row[f"{name}_TFLOPs"], row[f"{name}_config"] = ms, flops / ms / 1e9, default
             print(

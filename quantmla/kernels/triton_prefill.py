@@ -12,10 +12,16 @@ stored rows are ``s·(q − z)`` in float32, not rounded to the cache dtype: eac
 cores as a hi/lo pair of cache-dtype tiles (x = x_hi + x_lo to about 2^-17), the teacher-forced
 side of the exact decode kernel's contract (:mod:`quantmla.kernels.exact_decode`). All H heads share the
 latent keys, so a program takes a block of rows (query, head) — ``BLOCK_M`` of them, query
-major — and each key tile is read and dequantized once for all of them. Key tiles with no
-protected pair for any query of the block (most tiles of a long prompt) take the stored rows
-alone; the sink's tile and the band behind the queries take both and choose per pair. Grid
-``(row blocks, batch)``.
+major — and each key tile is read once for all of them. Key tiles with no protected pair for
+any query of the block (most tiles of a long prompt) take the stored rows alone; the sink's
+tile and the band behind the queries take both and choose per pair. Grid ``(row blocks, batch)``.
+
+The stored rows are reconstructed once per call, page by page, into the cache dtype
+(:func:`_dequant_kernel`, the same :func:`_tiles.load_rows` the tile would run), and the
+attention reads them like the given rows: reconstructing them inside every tile repeats that
+work once per block of query rows, n·H/BLOCK_M times per key, which made the quantized kernel
+about twice as slow as the 16-bit one at long prompts. Rounded to the cache dtype either way, the
+two give the same bits. With ``exact`` the rows are reconstructed inside the tile in float32.
 """
 
 from __future__ import annotations
@@ -43,18 +49,20 @@ from quantmla.kernels.triton_decode import LOG2E
 
 
 @triton.jit
-def _tile(q, qpe, m_i, l_i, acc, k0, b, kv_len, tq, live, qk_scale, given, stored,
+def _tile(q, qpe, m_i, l_i, acc, k0, b, kv_len, tq, live, qk_scale, given, stored, deq,
           DC: tl.constexpr, DCP: tl.constexpr, DR: tl.constexpr, G: tl.constexpr, C_BITS: tl.constexpr,
           R_BITS: tl.constexpr, C_W: tl.constexpr, R_W: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
           PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PV_SPLIT: tl.constexpr,
           IEEE: tl.constexpr, KV: tl.constexpr, INTERP: tl.constexpr, MODE: tl.constexpr,
-          EXACT: tl.constexpr):  # fmt: skip
+          EXACT: tl.constexpr, DEQ: tl.constexpr):  # fmt: skip
     """One key tile k0 .. k0 + BLOCK_N into the block's online softmax. MODE 0: the rows as given
     (16-bit cache); 1: the rows as given and the stored rows, chosen per pair by the protection
     rule; 2: the stored rows alone (the caller knows no pair of this tile is protected).
     ``given`` holds the given rows' pointers and strides, ``stored`` the block table and both
-    paths' page regions (:func:`_tiles.region_args`). ``EXACT``: the stored rows reconstructed in
-    float32 and split into a hi/lo pair in the cache dtype, instead of rounded to it."""
+    paths' page regions (:func:`_tiles.region_args`). ``DEQ``: the stored rows are read from ``deq``
+    (pointers and strides of both paths' reconstructed rows) instead of reconstructed from the pages.
+    ``EXACT``: the stored rows reconstructed in float32 and split into a hi/lo pair in the cache
+    dtype, instead of rounded to it."""
     SK: tl.constexpr = tl.float32 if EXACT else KV  # the dtype the stored rows are reconstructed in
     C, KP, stride_cb, stride_cl, stride_kb, stride_kl = given
     BT, stride_bt, CRows, CCodes, CScale, CZero, ps_crows, ps_ccodes, ps_cscale, ps_czero = stored[:10]
@@ -70,7 +78,15 @@ def _tile(q, qpe, m_i, l_i, acc, k0, b, kv_len, tq, live, qk_scale, given, store
         xr = tl.load(KP + b * stride_kb + j[:, None] * stride_kl + dr[None, :], mask=jv[:, None], other=0.0)
         s = dot(q, tl.trans(xc), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE, INTERP)
         s = dot(qpe, tl.trans(xr), s, IEEE, INTERP)
-    if MODE != 0:  # the stored copies of the same keys
+    if MODE != 0 and DEQ:  # the stored copies, reconstructed once per call by _dequant_kernel
+        DQC, DQR, stride_db, stride_dl, stride_eb, stride_el = deq
+        hc = tl.load(
+            DQC + b * stride_db + j[:, None] * stride_dl + dc[None, :], mask=jv[:, None] & (dc[None, :] < DC), other=0.0
+        )
+        hr = tl.load(DQR + b * stride_eb + j[:, None] * stride_el + dr[None, :], mask=jv[:, None], other=0.0)
+        sh = dot(q, tl.trans(hc), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE, INTERP)
+        sh = dot(qpe, tl.trans(hr), sh, IEEE, INTERP)
+    elif MODE != 0:  # the stored copies of the same keys, reconstructed here
         page = tl.load(BT + b * stride_bt + k0 // PAGE_SIZE).to(tl.int64)
         slots = k0 % PAGE_SIZE + tl.arange(0, BLOCK_N)
         sc, zc = load_meta(CScale, CZero, ps_cscale, ps_czero, page, slots, jv, DC, DCP, C_BITS, G, BLOCK_N)
@@ -141,6 +157,12 @@ def _prefill_kernel(
     ps_rcodes,
     ps_rscale,
     ps_rzero,
+    DQC,
+    DQR,
+    stride_db,
+    stride_dl,
+    stride_eb,
+    stride_el,
     H,
     N,
     stride_qb,
@@ -177,6 +199,7 @@ def _prefill_kernel(
     KV: tl.constexpr,
     INTERP: tl.constexpr,
     EXACT: tl.constexpr,
+    DEQ: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -207,6 +230,7 @@ def _prefill_kernel(
     given = (C, KP, stride_cb, stride_cl, stride_kb, stride_kl)
     stored = (BT, stride_bt, CRows, CCodes, CScale, CZero, ps_crows, ps_ccodes, ps_cscale, ps_czero,
               RRows, RCodes, RScale, RZero, ps_rrows, ps_rcodes, ps_rscale, ps_rzero)  # fmt: skip
+    deq = (DQC, DQR, stride_db, stride_dl, stride_eb, stride_el)
     t_max = tl.max(tl.where(live, tq, -1))
     n_keys = tl.minimum(t_max + 1, kv_len)
     if QUANT:
@@ -224,14 +248,15 @@ def _prefill_kernel(
             else:
                 start, end = hi, n_keys
             for k0 in range(start, end, BLOCK_N):
-                m_i, l_i, acc = _tile(q, qpe, m_i, l_i, acc, k0, b, kv_len, tq, live, qk_scale, given, stored, DC,
-                                      DCP, DR, G, C_BITS, R_BITS, C_W, R_W, SINK, RECENT, PAGE_SIZE, BLOCK_M, BLOCK_N,
-                                      PV_SPLIT, IEEE, KV, INTERP, 2 if part == 1 else 1, EXACT)  # fmt: skip
+                m_i, l_i, acc = _tile(q, qpe, m_i, l_i, acc, k0, b, kv_len, tq, live, qk_scale, given, stored, deq,
+                                      DC, DCP, DR, G, C_BITS, R_BITS, C_W, R_W, SINK, RECENT, PAGE_SIZE, BLOCK_M,
+                                      BLOCK_N, PV_SPLIT, IEEE, KV, INTERP, 2 if part == 1 else 1, EXACT,
+                                      DEQ)  # fmt: skip
     else:
         for k0 in range(0, n_keys, BLOCK_N):
-            m_i, l_i, acc = _tile(q, qpe, m_i, l_i, acc, k0, b, kv_len, tq, live, qk_scale, given, stored, DC, DCP,
-                                  DR, G, C_BITS, R_BITS, C_W, R_W, SINK, RECENT, PAGE_SIZE, BLOCK_M, BLOCK_N, PV_SPLIT,
-                                  IEEE, KV, INTERP, 0, False)  # fmt: skip
+            m_i, l_i, acc = _tile(q, qpe, m_i, l_i, acc, k0, b, kv_len, tq, live, qk_scale, given, stored, deq, DC,
+                                  DCP, DR, G, C_BITS, R_BITS, C_W, R_W, SINK, RECENT, PAGE_SIZE, BLOCK_M, BLOCK_N,
+                                  PV_SPLIT, IEEE, KV, INTERP, 0, False, False)  # fmt: skip
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
@@ -239,6 +264,58 @@ def _prefill_kernel(
         O + b * stride_ob + h[:, None] * stride_oh + i[:, None] * stride_on + dc[None, :], o, mask=in_out[:, None] & dcm
     )
     tl.store(LSE + (b * H + h) * N + i, lse, mask=in_out)
+
+
+@triton.jit
+def _dequant_kernel(
+    BT, stride_bt, KVLEN, CRows, CCodes, CScale, CZero, ps_crows, ps_ccodes, ps_cscale, ps_czero,
+    RRows, RCodes, RScale, RZero, ps_rrows, ps_rcodes, ps_rscale, ps_rzero,
+    DQC, DQR, stride_db, stride_dl, stride_eb, stride_el,
+    DC: tl.constexpr, DCP: tl.constexpr, DR: tl.constexpr, G: tl.constexpr, C_BITS: tl.constexpr,
+    R_BITS: tl.constexpr, C_W: tl.constexpr, R_W: tl.constexpr, PAGE_SIZE: tl.constexpr, KV: tl.constexpr,
+    INTERP: tl.constexpr,
+):  # fmt: skip
+    """The stored rows of one page of one sequence, reconstructed into the cache dtype exactly as
+    :func:`_tile` reconstructs them (the same :func:`_tiles.load_rows`), so the attention kernel
+    reads each stored row once per call instead of reconstructing it once per block of query rows.
+    Grid ``(pages, batch)``."""
+    b = tl.program_id(1).to(tl.int64)
+    k0 = tl.program_id(0) * PAGE_SIZE
+    kv_len = tl.load(KVLEN + b).to(tl.int64)
+    if k0 < kv_len:
+        j = k0 + tl.arange(0, PAGE_SIZE)
+        jv = j < kv_len
+        page = tl.load(BT + b * stride_bt + k0 // PAGE_SIZE).to(tl.int64)
+        slots = tl.arange(0, PAGE_SIZE)
+        dc = tl.arange(0, DCP)
+        dr = tl.arange(0, DR)
+        sc, zc = load_meta(CScale, CZero, ps_cscale, ps_czero, page, slots, jv, DC, DCP, C_BITS, G, PAGE_SIZE)
+        hc = load_rows(CRows, CCodes, ps_crows, ps_ccodes, page, slots, jv, sc, zc,
+                       DC, DCP, C_BITS, C_W, G, PAGE_SIZE, KV, INTERP)  # fmt: skip
+        sr, zr = load_meta(RScale, RZero, ps_rscale, ps_rzero, page, slots, jv, DR, DR, R_BITS, G, PAGE_SIZE)
+        hr = load_rows(RRows, RCodes, ps_rrows, ps_rcodes, page, slots, jv, sr, zr,
+                       DR, DR, R_BITS, R_W, G, PAGE_SIZE, KV, INTERP)  # fmt: skip
+        tl.store(DQC + b * stride_db + j[:, None] * stride_dl + dc[None, :], hc, mask=jv[:, None] & (dc[None, :] < DC))
+        tl.store(DQR + b * stride_eb + j[:, None] * stride_el + dr[None, :], hr, mask=jv[:, None])
+
+
+def dequantized(layer, block_table, kv_len, L: int, dtype):
+    """(C, K_P) of shape (B, L, ·) in ``dtype``: the stored rows of the first ``L`` tokens of each
+    sequence, as the teacher-forced kernel reconstructs them (rows at or past ``kv_len`` are left
+    unwritten)."""
+    fmt = layer.fmt
+    B = block_table.shape[0]
+    dq_c = torch.empty(B, L, fmt.d_c, dtype=dtype, device=block_table.device)
+    dq_r = torch.empty(B, L, fmt.d_r, dtype=dtype, device=block_table.device)
+    if B and L:
+        _dequant_kernel[(triton.cdiv(L, PAGE), B)](
+            block_table, block_table.stride(0), kv_len, *region_args(layer, "C"), *region_args(layer, "R"),
+            dq_c, dq_r, dq_c.stride(0), dq_c.stride(1), dq_r.stride(0), dq_r.stride(1),
+            DC=fmt.d_c, DCP=padded(fmt.d_c), DR=fmt.d_r, G=fmt.group, C_BITS=fmt.content_bits,
+            R_BITS=fmt.rope_bits, C_W=container_bits(fmt.content_bits), R_W=container_bits(fmt.rope_bits),
+            PAGE_SIZE=PAGE, KV=tl_dtype(dtype), INTERP=INTERPRET, num_warps=4,
+        )  # fmt: skip
+    return dq_c, dq_r
 
 
 def default_config(H: int, n: int, fmt, quantized: bool, exact: bool = False) -> dict:
@@ -312,6 +389,8 @@ def _run(cfg, q, qpe, o, lse, C, K_P, kv_len, q_len, layer, block_table, fmt, qu
     block_m, block_n = cfg["block_m"], cfg["block_n"]
     regions = region_args(layer, "C") + region_args(layer, "R") if quant else (C, C, C, C, 0, 0, 0, 0) * 2
     bt = block_table if quant else kv_len
+    deq = quant and not exact
+    dq_c, dq_r = dequantized(layer, block_table, kv_len, C.shape[1], dtype) if deq else (C, K_P)
     grid = (triton.cdiv(n * H, block_m), B)
     _prefill_kernel[grid](
         q,
@@ -324,6 +403,12 @@ def _run(cfg, q, qpe, o, lse, C, K_P, kv_len, q_len, layer, block_table, fmt, qu
         q_len,
         bt,
         *regions,
+        dq_c,
+        dq_r,
+        dq_c.stride(0),
+        dq_c.stride(1),
+        dq_r.stride(0),
+        dq_r.stride(1),
         H,
         n,
         *q.stride()[:3],
@@ -354,6 +439,7 @@ def _run(cfg, q, qpe, o, lse, C, K_P, kv_len, q_len, layer, block_table, fmt, qu
         KV=tl_dtype(dtype),
         INTERP=INTERPRET,
         EXACT=exact,
+        DEQ=deq,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
