@@ -156,13 +156,17 @@ def run_meta(props, stamp, command: str) -> dict:
     }
 
 
-def write_record(meta: dict, prefix: str, stamp, folder=None) -> Path:
-    """Write ``meta`` as ``<prefix>-<date>.json`` into ``folder`` (default ``bench/results``)."""
+def write_record(meta: dict, prefix: str, stamp, folder=None, quiet: bool = False) -> Path:
+    """Write ``meta`` as ``<prefix>-<date>.json`` into ``folder`` (default ``bench/results``);
+    the same stamp writes the same file again (a record that grows as a run goes)."""
     folder = Path(folder) if folder else Path(__file__).parent / "results"
     folder.mkdir(parents=True, exist_ok=True)
     out = folder / f"{prefix}-{stamp:%Y%m%d-%H%M%S}.json"
-    out.write_text(json.dumps(meta, indent=1))
-    print(f"wrote {out}")
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(meta, indent=1))
+    tmp.replace(out)
+    if not quiet:
+        print(f"wrote {out}")
     return out
 
 

@@ -26,6 +26,9 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# lm-eval's progress bars cost 25-30 % of the GPU wall time when redirected to a file (measured on
+# the H200: 134.7 s with, 105.0 s without at C16R16); they are off unless TQDM_DISABLE=0.
+os.environ.setdefault("TQDM_DISABLE", "1")
 
 import torch  # noqa: E402
 
@@ -90,7 +93,7 @@ def main() -> None:
     names = ARGS.tasks.split(",")
     spec = EmbeddedModel(dtype="bfloat16")
     stamp = datetime.datetime.now(datetime.UTC)
-    rows = {}
+    rows, ratios = {}, {}
     for way in ARGS.ways.split(","):
         lm = way_model(way, spec)
         evaluate(lm, names[:1], 8)  # warm-up: compilation, allocator, tokenizer caches
@@ -98,8 +101,9 @@ def main() -> None:
         rows[way] = {"seconds": round(wall, 2), "acc": acc}
         print(f"{way:>9}: {wall:8.1f} s  " + "  ".join(f"{t} {a:.4f}" for t, a in acc.items()), flush=True)
         del lm
-        torch.cuda.empty_cache()
-    ratios = {}
+        if ARGS.device == "cuda":
+            torch.cuda.empty_cache()
+            save(stamp, names, rows, ratios)  # after every way: a run cut short keeps what it measured
     if "hf_native" in rows and "c16r16" in rows:
         ratios["c16r16/hf_native"] = rows["c16r16"]["seconds"] / rows["hf_native"]["seconds"]
     for low in ("c4r4", "c2r4"):
@@ -107,11 +111,14 @@ def main() -> None:
             ratios[f"{low}/c16r16"] = rows[low]["seconds"] / rows["c16r16"]["seconds"]
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}")
-    if ARGS.device != "cuda":
-        return
+    if ARGS.device == "cuda":
+        print(f"wrote {save(stamp, names, rows, ratios)}")
+
+
+def save(stamp, names: list[str], rows: dict, ratios: dict) -> Path:
     meta = run_meta(torch.cuda.get_device_properties(0), stamp, " ".join(["python", *sys.argv]))
     meta |= {"tasks": names, "limit": ARGS.limit, "batch_size": ARGS.batch_size, "ways": rows, "ratios": ratios}
-    write_record(meta, "eval-speed", stamp, ARGS.out)
+    return write_record(meta, "eval-speed", stamp, ARGS.out, quiet=True)
 
 
 if __name__ == "__main__":
