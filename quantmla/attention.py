@@ -61,6 +61,7 @@ class LatentAttention(nn.Module):
         self.spec = spec
         self.rope_transform: torch.Tensor | None = None  # online post-RoPE map (QuaRot†'s H_P), else None
         self.backend = "auto"  # attention core: auto | triton | reference (quantmla.kernels)
+        self.masks = MaskMemo()  # shared by the layers of one model (install), so a mask is read once per pass
         spec.check_dims(self.kv_lora_rank, self.qk_rope_head_dim)
 
     def forward(
@@ -97,8 +98,26 @@ class LatentAttention(nn.Module):
         """Latent output (B, H, n, d_c) and LSE (B, H, n), float32, of queries (B, H, n, ·) over
         the latents C (B, 1, L, d_c), K_P (B, 1, L, d_r), through the core's teacher-forced path."""
         n, L = q_lat.shape[2], C.shape[2]
-        valid = key_validity(attention_mask, C.shape[0], n, L, C.device)
+        valid = self.masks.validity(attention_mask, C.shape[0], n, L, C.device)
         return kernels.attend(q_lat, q_pe, C[:, 0], K_P[:, 0], valid, self.spec, self.mla.tau, self.backend)
+
+
+class MaskMemo:
+    """The last attention mask's key validity. Every layer of a forward pass gets the same mask,
+    and checking it reads the device (the GPU's queue drains each time): the layers of one model
+    share one memo, so the check runs once per pass, not once per layer. A mask changed in place
+    (its version counter moves) is read again."""
+
+    def __init__(self):
+        self.key, self.valid = None, None
+
+    def validity(self, mask, B: int, n: int, L: int, device) -> torch.Tensor | None:
+        if not isinstance(mask, torch.Tensor):
+            return key_validity(mask, B, n, L, device)
+        key = (mask, mask._version, B, n, L)
+        if self.key is None or self.key[0] is not mask or self.key[1:] != key[1:]:
+            self.key, self.valid = key, key_validity(mask, B, n, L, device)
+        return self.valid if self.valid is None else self.valid.to(device)  # layers may sit on other GPUs
 
 
 def key_validity(mask, B: int, n: int, L: int, device) -> torch.Tensor | None:
@@ -130,16 +149,17 @@ def install(model: nn.Module, spec: CacheSpec, backend: str = "auto") -> list[La
     """
     kernels.check_backend(backend)
     installed = []
+    masks = MaskMemo()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, LatentAttention):
                 child.spec = spec
                 spec.check_dims(child.kv_lora_rank, child.qk_rope_head_dim)
-                child.backend = backend
+                child.backend, child.masks = backend, masks
                 installed.append(child)
             elif adapter_class(child) is not None:
                 new = LatentAttention(child, spec)
-                new.backend = backend
+                new.backend, new.masks = backend, masks
                 setattr(parent, name, new)
                 installed.append(new)
     if not installed:

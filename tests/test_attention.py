@@ -122,7 +122,8 @@ class HostReads(TorchFunctionMode):
         self.sites = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in self.READS:
+        name = getattr(func, "__name__", "")
+        if name in self.READS or (name == "__getitem__" and _boolean_index(args)):
             frame = sys._getframe(1)
             while frame and "/torch/" in frame.f_code.co_filename:
                 frame = frame.f_back
@@ -130,6 +131,33 @@ class HostReads(TorchFunctionMode):
             if "/quantmla/" in where and where.endswith(GLUE):
                 self.sites.append(f"{where.split('/quantmla/')[-1]}:{frame.f_lineno}")
         return func(*args, **(kwargs or {}))
+
+
+def _boolean_index(args) -> bool:
+    """x[mask] with a boolean tensor: its result's size is read from the device."""
+    index = args[1] if len(args) > 1 else None
+    index = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index)
+
+
+def _teacher_forced_reads(layers: int) -> list[str]:
+    model, tok = build(family_config(layers=layers))
+    install(model, CacheSpec.parse("c4r4", sink=4, recent=8))
+    ids = torch.randint(3, 259, (2, 30))
+    ids[0, :5] = tok.pad_token_id
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    with torch.no_grad(), HostReads() as reads:
+        model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0))
+    return reads.sites
+
+
+def test_a_teacher_forced_pass_reads_the_device_once_whatever_the_depth():
+    """Evaluation's forward pass: the padding mask is checked once for all layers, and the
+    temporary pages are written and read without checks or boolean indexing that would wait for
+    the GPU in every layer."""
+    two, four = _teacher_forced_reads(2), _teacher_forced_reads(4)
+    assert len(two) == len(four) <= 2, (two, four)
 
 
 def _decode_step_reads(layers: int) -> list[str]:

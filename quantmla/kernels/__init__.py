@@ -233,9 +233,12 @@ def prefill(
     backend: str = "auto",
     config=None,
     out=None,
+    validate: bool = True,
 ):
     """Teacher-forced attention with the decode-faithful rule; see :func:`quantmla.kernels.reference.prefill`.
-    ``config`` overrides the kernel's tiles (keys: :data:`PREFILL_CONFIG`)."""
+    ``config`` overrides the kernel's tiles (keys: :data:`PREFILL_CONFIG`). ``validate=False`` skips
+    the checks that read lengths and page numbers back from the device, for callers whose tables
+    are valid by construction (:func:`attend`), so that a layer does not wait for the GPU."""
     _check_config(config, PREFILL_CONFIG, "prefill")
     _same_device(q_lat, q_pe, C, K_P, kv_len, q_len, block_table, layer.pool if layer is not None else None)
     d_c, d_r = C.shape[-1], K_P.shape[-1]
@@ -248,7 +251,7 @@ def prefill(
     for name, t in (("kv_len", kv_len), ("q_len", q_len)):
         if t.dtype not in (torch.int32, torch.int64) or t.shape != (B,):
             raise ValueError(f"{name} must be an int tensor of shape ({B},)")
-    if B and (int(kv_len.max()) > L or int(q_len.max()) > q_lat.shape[2] or bool((q_len > kv_len).any())):
+    if validate and B and (int(kv_len.max()) > L or int(q_len.max()) > q_lat.shape[2] or bool((q_len > kv_len).any())):
         raise ValueError("need q_len <= kv_len, kv_len <= L and q_len <= n")
     if layer is not None:
         if layer.fmt.dtype != C.dtype or (layer.fmt.d_c, layer.fmt.d_r) != (d_c, d_r):
@@ -257,7 +260,7 @@ def prefill(
             )
         if block_table is None:
             raise ValueError("a paged layer needs its block table")
-        check_block_table(block_table, kv_len, layer.num_pages, B)
+        check_block_table(block_table, kv_len, layer.num_pages, B, values=validate)
     _check_out(out, (tuple(q_lat.shape[:3]) + (d_c,), tuple(q_lat.shape[:3])))
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_lat, q_pe, C, K_P))
     grad = grad or traced(q_lat, q_pe, C, K_P)
@@ -305,15 +308,18 @@ def attend(q_lat, q_pe, C, K_P, key_valid, spec, tau: float, backend: str = "aut
         pages = max(1, -(-L // PAGE))
         layer = PagedLayer(fmt, B * pages, dev)
         bt = torch.arange(B * pages, device=dev, dtype=torch.int32).view(B, pages)
-        idx = torch.arange(L, device=dev)
-        live = idx.unsqueeze(0) < kv_len.unsqueeze(1)
-        req = torch.arange(B, device=dev).unsqueeze(1).expand(B, L)[live].to(torch.int32)
-        pos = idx.unsqueeze(0).expand(B, L)[live]
-        write(layer, bt, Cc.detach()[live], Kc.detach()[live], req, pos, kv_len, backend)
+        # Every column is written, the padding ones (past kv_len) into slots nothing reads, and the
+        # tables are valid by construction: no boolean indexing and no checks that read the
+        # device, each of which would wait for the GPU once per layer.
+        req = torch.arange(B, device=dev, dtype=torch.int32).repeat_interleave(L)
+        pos = torch.arange(L, device=dev).repeat(B)
+        full = torch.full((B,), L, dtype=torch.int64, device=dev)
+        C_rows, K_rows = Cc.detach().reshape(B * L, d_c), Kc.detach().reshape(B * L, d_r)
+        write(layer, bt, C_rows, K_rows, req, pos, full, backend, validate=False)
         if spec.protect:
             sink, recent = spec.sink, spec.recent
     config = {"exact": True} if spec.exact_rows else None
-    o, lse = prefill(qc, qpc, Cc, Kc, kv_len, q_len, tau, sink, recent, layer, bt, backend, config)
+    o, lse = prefill(qc, qpc, Cc, Kc, kv_len, q_len, tau, sink, recent, layer, bt, backend, config, validate=False)
     if qv is not None:  # back to the input columns: query k of a request sits at its k-th valid column
         rank = (qv.cumsum(1) - 1).clamp_min(0)
         o = o.gather(2, rank[:, None, :, None].expand(B, H, n, d_c)) * qv[:, None, :, None]
