@@ -123,4 +123,4 @@ def test_latency_table_and_figure_from_the_committed_table9_records(tmp_path):
             assert row.split("|")[1 + col].strip() == f"{r['delta_pct']:+.2f}"
     assert "| 32 | 1M | +7.11 | -7.21 | 33701.48 | 33609.17 | -0.27 |" in rows
     assert (tmp_path / "table9.png").stat().st_size > 10_000
-    assert main(["latency", str(results / "decode-20261130-212443.json"), "--out", str(tmp_path)]) == 2
+    assert main(["latency", str(results / "decode-20261203-132456.json"), "--out", str(tmp_path)]) == 2
