@@ -3,7 +3,7 @@
 ``python -m analysis latency bench/results/table9-<date>.json [...] [--out DIR]`` (default
 ``runs/latency``) reads one or more records (e.g. the default P·V and ``--pv bf16``), prints Table 9 in the paper's layout with
 one Δ column per record, and draws latency and Δ against context length for batch 8 and 32, with
-the paper's (spec §8.4: a 78-SM Hopper GPU against FlashMLA) dashed.
+the paper's (App. F.1: a 78-SM Hopper GPU against FlashMLA) dashed.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tables and figures of the dual-path sensitivity runs (``eval=sensitivity``, spec §2).
+"""Tables and figures of the dual-path sensitivity runs (``eval=sensitivity``, the paper's §2.2–2.3, App. B).
 
 ``python -m analysis sensitivity <runs-dir> [--out DIR]`` writes
 
@@ -30,7 +30,7 @@ from matplotlib.ticker import MaxNLocator, NullFormatter
 from quantmla.tracking import read_runs
 
 PAPER_TABLE4 = {
-    # spec §2.1 Table 4: content response, RoPE response, RoPE/content ratio (cache NMSE 0.01)
+    # the paper's Table 4: content response, RoPE response, RoPE/content ratio (cache NMSE 0.01)
     "deepseek_v2_lite": (0.620, 3.925, 6.331),
     "deepseek_v3_base": (0.452, 1.751, 3.871),
     "deepseek_r1": (0.494, 1.784, 3.611),
@@ -39,7 +39,7 @@ PAPER_TABLE4 = {
     "glm_4_7_flash": (1.026, 2.462, 2.400),
 }
 PAPER_TABLE5 = {"deepseek_v2_lite": (0.9923, 0.1054), "glm_4_7_flash": (0.9614, 0.0727)}
-# spec §2.5 Table 6 (DeepSeek-V2-Lite layer 20, cache NMSE 1e-3): (content, RoPE) geometric-mean gain ratio
+# the paper's Table 6 (DeepSeek-V2-Lite layer 20, cache NMSE 1e-3): (content, RoPE) geometric-mean gain ratio
 PAPER_TABLE6 = {"deepseek_v2_lite": {"sign": (1.048, 1.115), "permute": (5.918, 1.495), "isotropic": (6.007, 1.380)}}
 CONTROL_NAMES = {
     "sign": "Independent sign randomization",

@@ -1,7 +1,8 @@
-"""QuaRot† (spec §6.3): fixed normalized Hadamard rotations of both MLA caches, no learning.
+"""QuaRot† (the paper's App. D.2): fixed normalized Hadamard rotations of both MLA caches, no learning.
 
 Content: z = u H_C in the weightless coordinates of ``kv_a_layernorm``, fused offline like
-spec §4.1 with R_C = H_C, S_C = I (Γ folded into ``kv_b_proj``, the norm weight set to 1).
+the content fusion (the paper's App. C.1) with R_C = H_C, S_C = I (Γ folded into ``kv_b_proj``, the norm
+weight set to 1).
 No per-token work at inference.
 
 RoPE: K_P' = K_P H_P and Q_P' = Q_P H_P *after* RoPE. H_P mixes frequency pairs, so it does
@@ -9,8 +10,8 @@ not commute with the position-dependent rotation and cannot be folded into the p
 weights: it runs online, on each new key before caching and on every head's query, through
 ``LatentAttention.rope_transform``. Cost per token and layer: 2·d_r²·(H + 1) FLOPs as a dense
 matmul (139,264 for DeepSeek-V2-Lite; a fast Walsh–Hadamard transform needs d_r·log2(d_r) adds
-per vector instead). H_P acts on the checkpoint's native interleaved pair order (spec §9
-item 15): for HF tensors in half-split order the online map is P·H_P with P the permutation to
+per vector instead). H_P acts on the checkpoint's native interleaved pair order (what vLLM and FlashMLA
+cache): for HF tensors in half-split order the online map is P·H_P with P the permutation to
 interleaved order. Sylvester construction, no random signs; ``content_block`` / ``rope_block``
 choose block-diagonal Hadamards. By default one block spans the full width (512 and 64 for
 the paper's models); a width that is not a power of two gets the largest power-of-two block

@@ -1,4 +1,4 @@
-"""RTN (spec §6.1): quantize the native caches C = uΓ and post-RoPE K_P as they are."""
+"""RTN (the paper's App. D.2): quantize the native caches C = uΓ and post-RoPE K_P as they are."""
 
 from __future__ import annotations
 

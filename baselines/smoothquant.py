@@ -1,4 +1,4 @@
-"""SmoothQuant† (spec §6.2): equivalent per-channel scaling of both MLA caches, no gradients.
+"""SmoothQuant† (the paper's App. D.2): equivalent per-channel scaling of both MLA caches, no gradients.
 
 Content: the cache becomes u S_C (``kv_a_layernorm.weight`` := s_C) and every consumer gets
 S_C^-1 Γ (folded into ``kv_b_proj``). RoPE: one positive scale per frequency pair, K_P' = K_P S_P
@@ -6,7 +6,7 @@ and Q_P' = Q_P S_P^-1, folded into the pre-RoPE key and query rows. Nothing runs
 
 Scales follow Eq. 42: log s_j = clip(α [mean_k log ã_k − log ã_j], −2, 2) from the 99.9th
 percentile |activation| over the train bank (content: channels of u; RoPE: post-RoPE K_P, both
-channels of a pair pooled). α is searched over ``alphas`` (spec §9 item 16: all of
+channels of a pair pooled). α is searched over ``alphas`` (the paper's grid, all of
 {0.125, 0.25, 0.5, 0.75, 1}, no 0), one per path per model, each path with the other exact,
 both by held-out normalized attention-output MSE; ties go to the smaller α.
 """

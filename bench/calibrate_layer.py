@@ -1,6 +1,6 @@
 """Time QuantMLA calibration of one DeepSeek-V2-Lite-shaped MLA layer (random weights).
 
-The paper's recipe per path (spec §5.6): 128 train + 32 held-out windows of 2048 tokens,
+The paper's recipe per path (Table 7): 128 train + 32 held-out windows of 2048 tokens,
 batch 4, 300 AdamW steps, validation every 20 steps from step 0. The model is one DeepseekV2
 decoder layer with DeepSeek-V2-Lite's attention shapes (hidden 2048, 16 heads, d_c 512, d_r 64,
 d_nope 128, d_v 128, no q-LoRA), a dense MLP, the byte tokenizer and random weights, in BF16

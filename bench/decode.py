@@ -252,7 +252,7 @@ CANDIDATES = {  # tile configs timed by --tune (those that spill heavily in the 
     + [dict(block_n=64, num_warps=4, num_stages=2, chunks=c) for c in (2, 4)]
     + [dict(block_n=32, num_warps=4, num_stages=3, chunks=4)],
     # (register caps, "maxnreg", for three or four programs per SM were timed with --candidates
-    # and lost everywhere: bench/NOTES.md, v11)
+    # and lost everywhere)
     128: [
         dict(block_h=bh, block_n=bn, num_warps=8, num_stages=st) for bh in (16, 32) for bn in (32, 64) for st in (2, 3)
     ]

@@ -11,9 +11,9 @@
 Prints, per content width: registers, stack (spill) bytes, shared memory, and for each loop of
 the kernel its instruction count, its HGMMA (wgmma) and HMMA (mma.sync) counts, its local-memory
 accesses (``LDL``/``STL``: spills), its TMA (``UTMALDG``) and ``cp.async`` (``LDGSTS``) copies and its ``BSSY`` count (divergent regions:
-bench/NOTES.md, v16, found the page loop 4-6 % faster when ptxas compiles its cross-warp
-reductions predicated, with none). Uses the installed Triton's compiler and ``cuobjdump``; the
-H200 runs Triton 3.6, whose ``ptxas`` is the one the notes quote (other versions schedule
+the page loop is faster when ptxas compiles its cross-warp reductions predicated, with none;
+docs/kernel-design-notes.md). Uses the installed Triton's compiler and ``cuobjdump``; the
+H200 runs Triton 3.6, whose ``ptxas`` gave the counts the tests check (other versions schedule
 differently). With ``--triton`` it prints the Triton kernel's registers, spills, shared memory
 and its ``HMMA`` (mma.sync) counts by kind: on a machine without a GPU, this is the check that the
 kernel compiles for Hopper with BF16 tensor-core products (the interpreter does not compile).
@@ -180,9 +180,7 @@ def main() -> None:
     ap.add_argument("--triton", action="store_true", help="the Triton kernel at 16 heads instead")
     ap.add_argument("--exact", action="store_true", help="the 16-head exact-dequantization kernel instead")
     ap.add_argument("--prefill", action="store_true", help="the teacher-forced kernel instead, rounded and exact")
-    ap.add_argument(
-        "--ablate", type=int, default=0, help="with --exact: the kernel's timing-only variant (bench/NOTES.md, v32)"
-    )
+    ap.add_argument("--ablate", type=int, default=0, help="with --exact: the kernel's timing-only variant")
     args = ap.parse_args()
     print(f"triton {triton.__version__}, sm_90")
     if args.prefill:

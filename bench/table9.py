@@ -1,4 +1,4 @@
-"""Table 9's latency protocol (spec §8.4) on this GPU: C4R4 decode against BF16, 16 heads.
+"""Table 9's latency protocol (the paper's App. F.1) on this GPU: C4R4 decode against BF16, 16 heads.
 
     python bench/table9.py            # batch 8 and 32, N = 1K … 1M, the paper's sampling
     python bench/table9.py --quick    # batch 8 and 32, N = 1K … 16K, 10 samples per round

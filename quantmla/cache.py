@@ -1,14 +1,15 @@
 """What the latent cache stores: the CxRy spec and the BF16 protection policy.
 
 ``CxRy`` = x-bit content latent ``C``, y-bit post-RoPE key ``K_P`` for every token
-outside the protected set (spec §3); ``C16R16`` is the plain BF16 cache. Protection keeps
+outside the protected set (the paper's naming); ``C16R16`` is the plain BF16 cache. Protection keeps
 the first ``sink`` tokens and the ``recent`` most recent tokens in BF16 at evaluation time,
-with the decode-faithful per-query rule of spec §9 item 1: query ``i`` sees key ``j`` in
+with the decode-faithful per-query rule (the paper leaves teacher-forced protection open; this
+rule equals token-by-token decoding): query ``i`` sees key ``j`` in
 BF16 iff ``j < sink`` or ``j > i - recent``.
 
 ``exact`` chooses how the attention core reads the quantized rows: by default as the paper's kernel
 does, each reconstructed row ``s·(q − z)`` rounded to the cache dtype (BF16) first; with
-``exact=True`` as spec Eq. 35-36 define them, unrounded (the decode kernel
+``exact=True`` as the paper's eqs. 35-36 define them, unrounded (the decode kernel
 :mod:`quantmla.kernels.exact_decode`, the teacher-forced kernel in float32). It changes nothing for
 C16R16, which has no reconstruction.
 """
@@ -69,7 +70,7 @@ class CacheSpec(CxRy):
                 raise ValueError(f"group size {self.group} does not divide the {what} width {d}")
 
     def qdq_content(self, C: torch.Tensor) -> torch.Tensor:
-        """Simulated storage of C: BF16 scales (spec §9 item 10)."""
+        """Simulated storage of C: BF16 scales, as the paper stores them."""
         return qdq(C, self.content_bits, self.group, scale_dtype=torch.bfloat16)
 
     def qdq_rope(self, K_P: torch.Tensor) -> torch.Tensor:
@@ -81,7 +82,7 @@ class CacheSpec(CxRy):
 
 
 def protected_pairs(q_index: torch.Tensor, k_index: torch.Tensor, sink: int, recent: int) -> torch.Tensor:
-    """Decode-faithful protection (spec §9 item 1): bool (..., n, L), True where key j is BF16 for query i.
+    """Decode-faithful protection: bool (..., n, L), True where key j is BF16 for query i.
 
     ``q_index`` (..., n) and ``k_index`` (..., L) are token indices within the request.
     """
@@ -91,5 +92,5 @@ def protected_pairs(q_index: torch.Tensor, k_index: torch.Tensor, sink: int, rec
 
 
 def protected_set(L: int, sink: int = 4, recent: int = 128) -> list[int]:
-    """Spec §3's P_L: the BF16 tokens of a cache of L tokens at decode time."""
+    """The paper's protected set P_L: the BF16 tokens of a cache of L tokens at decode time."""
     return sorted(set(range(min(sink, L))) | set(range(max(0, L - recent), L)))

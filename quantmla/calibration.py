@@ -1,4 +1,4 @@
-"""Calibration plumbing shared by the methods (spec §5): teacher pieces, statistics, objectives.
+"""Calibration plumbing shared by the methods (the paper's §3, App. C): teacher pieces, statistics, objectives.
 
 The teacher is the model as installed (every :class:`~quantmla.attention.LatentAttention`
 unquantized). For a batch of token windows, :func:`layer_batches` yields, layer by layer, what
@@ -8,8 +8,9 @@ post-``o_proj`` output Y. Each layer sees the teacher's input, so layers are sep
 
 Objectives, per sample (one window) and layer, averaged by the caller:
 
-- :func:`output_nmse` — spec §5.1: ‖Ŷ − Y‖² / max(‖Y‖², ε), as mean over mean.
-- :func:`qk_nmse` — spec §5.2: Σ_h ‖Ω ⊙ (Q_P K̂_Pᵀ − Q_P K_Pᵀ)‖² / max(Σ_h ‖Ω ⊙ Q_P K_Pᵀ‖², 1e-8) over
+- :func:`output_nmse` — the paper's eq. 8: ‖Ŷ − Y‖² / max(‖Y‖², ε), as mean over mean.
+- :func:`qk_nmse` — the paper's eq. 10:
+  Σ_h ‖Ω ⊙ (Q_P K̂_Pᵀ − Q_P K_Pᵀ)‖² / max(Σ_h ‖Ω ⊙ Q_P K_Pᵀ‖², 1e-8) over
   all heads and causal pairs, unscaled.
 - :func:`cache_nmse` — plain cache reconstruction ‖Ĉ − C‖² / ‖C‖² (the objective the paper argues against).
 """
@@ -167,7 +168,7 @@ def _per_sample_mean(t: torch.Tensor) -> torch.Tensor:
 
 
 def output_nmse(Y_hat: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
-    """(B,) normalized output MSE of spec §5.1 (mean squared error over the teacher's mean square)."""
+    """(B,) normalized output MSE of the paper's eq. 8 (mean squared error over the teacher's mean square)."""
     Y = Y.float()
     return _per_sample_mean((Y_hat.float() - Y).pow(2)) / _per_sample_mean(Y.pow(2)).clamp_min(1e-8)
 
@@ -179,7 +180,7 @@ def cache_nmse(c_hat: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 
 
 def qk_nmse(Q_P: torch.Tensor, K_P: torch.Tensor, K_hat: torch.Tensor, chunk: int = 256) -> torch.Tensor:
-    """(B,) spec §5.2's L_P for one layer: all heads, all causal pairs (diagonal included), unscaled.
+    """(B,) the paper's L_P (eq. 10) for one layer: all heads, all causal pairs (diagonal included), unscaled.
 
     Chunked over query blocks. The score error is formed as Q_P (K̂_P − K_P)ᵀ, which equals
     Q_P K̂_Pᵀ − Q_P K_Pᵀ without the cancellation of two large score matrices.
@@ -279,7 +280,7 @@ def activation_percentiles(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per layer: a_C (d_c,) percentile of |u| per channel; a_P (d_r/2,) of |K_P| pooled per pair.
 
-    Spec §5.5 / §9 item 7: content on the weightless latent u, RoPE on the cached post-RoPE key
+    The paper's eq. 37 (on tensors it leaves open): content on the weightless latent u, RoPE on the cached post-RoPE key
     with both channels of a frequency pair pooled.
     """
     tokens = ids.numel()

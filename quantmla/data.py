@@ -10,7 +10,7 @@ is ``train`` (calibration). Nothing trained or calibrated by the project reads `
 (``lee_background.cor``, one article per line), a web-text stand-in for C4 where the
 sensitivity study wants a second corpus; split the same way (every fifth article is ``test``).
 
-:class:`CalibrationData` draws the calibration banks (spec §5.6, §9 item 9).
+:class:`CalibrationData` draws the calibration banks (the paper's Table 7).
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def windows(stream: torch.Tensor, seq_len: int, count: int | None = None, seed: 
     """Non-overlapping windows of ``seq_len`` tokens (count, seq_len).
 
     ``seed=None`` takes them in order; otherwise a seeded random choice of distinct
-    windows (spec §9 item 9).
+    windows (the paper does not say how it draws them).
     """
     total = stream.numel() // seq_len
     if total == 0:
@@ -158,7 +158,7 @@ def _tokenizer_key(tokenizer) -> tuple:
 
 @dataclass
 class CalibrationData:
-    """The calibration banks of spec §5.6 / §9 item 9: disjoint train and held-out windows.
+    """The calibration banks of the paper's Table 7: disjoint train and held-out windows.
 
     ``source`` is a packaged corpus (``wiki``: the training articles, the offline stand-in
     for WikiText-2 train) or a path to a text file or a folder of ``*.txt`` files (e.g. a

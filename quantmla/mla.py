@@ -1,10 +1,10 @@
-"""MLA adapter: the paper's handles (spec §1.3) on a native transformers attention module.
+"""MLA adapter: the paper's handles (its notation for C, K_P, W_UK, W_UV) on a native transformers attention module.
 
 One small class per architecture family names the modules of the paper's equations.
 Methods, the cache and the sensitivity probes talk to an :class:`MLA` object, never to raw
 module names. Adapters are registered by the transformers attention *class* they cover.
 
-Conventions (spec §1.1–1.2): ``C`` is the cached content latent (output of
+Conventions (the paper's, around its eq. 1): ``C`` is the cached content latent (output of
 ``kv_a_layernorm``), ``K_P`` the cached post-RoPE key shared by all heads, ``W_UK`` /
 ``W_UV`` the per-head up-projections of ``kv_b_proj`` in absorbed form, ``tau`` the
 softmax scale. Tensors are laid out ``(batch, heads, tokens, dim)``; the latent caches
@@ -190,7 +190,7 @@ class MLA:
         raise NotImplementedError
 
     def paths(self, x: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, ...]:
-        """(q_nope, Q_P, C, K_P): what the content and RoPE paths of spec §1.2 consume."""
+        """(q_nope, Q_P, C, K_P): what the content and RoPE paths of the paper's eq. 1 consume."""
         q_nope, q_pe = self.queries(x)
         c_pre, k_pre = self.latent_pre(x)
         q_pe, k_pe = self.rope(q_pe, k_pre, position_embeddings)

@@ -1,7 +1,8 @@
-"""The per-path calibration loop of spec §5.6: AdamW, warm-up + cosine, clipping, validation, best step.
+"""The per-path calibration loop of the paper's Table 7: AdamW, warm-up + cosine, clipping, validation, best step.
 
 One optimizer over all layers' parameters of a path; the loss of a step is the path objective
-averaged over the batch's windows and the layers, plus the anchors (spec §9 items 3, 5). Each
+averaged over the batch's windows and the layers, plus the anchors (a mean-squared deviation from
+the initialization; the paper gives neither form). Each
 step draws a batch of windows of the train bank in a seeded per-epoch order, takes the frozen
 teacher's pieces (:class:`~quantmla.calibration.Teacher`) and back-propagates layer by layer (the layers are separable: each sees teacher
 inputs), so memory holds one layer's graph. The held-out objective (no anchors) is evaluated

@@ -1,4 +1,4 @@
-"""The cache quantizer of the paper (spec §3, eq. 35–36) and code packing.
+"""The cache quantizer of the paper (its eqs. 35–36) and code packing.
 
 Per token, each vector is cut into contiguous groups of ``group`` channels. Each group
 gets an asymmetric affine code with its own scale ``s`` and zero-point ``z``::
@@ -10,7 +10,7 @@ gets an asymmetric affine code with its own scale ``s`` and zero-point ``z``::
     x_hat = s * (q - z)
 
 ``round`` is round-half-to-even (``torch.round``). Arithmetic is float32 whatever the
-input dtype. ``scale_dtype`` mirrors native storage (spec §9 item 10): the scale is
+input dtype. ``scale_dtype`` mirrors the paper's native storage (BF16 content and FP32 RoPE scales): the scale is
 computed in float32, rounded to ``scale_dtype`` (bfloat16 for the content cache,
 float32 for the RoPE cache) and ``z``, ``q`` and ``x_hat`` are computed with that stored
 scale. With ``ste=True`` rounding passes gradients straight through (calibration).
@@ -134,7 +134,7 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack uint8 codes along the last dimension into bytes.
 
     4-bit containers hold two codes per byte, element ``2k`` in the low nibble; 2-bit
-    containers hold four, the lowest index in the lowest bits (spec §8.1 [D]).
+    containers hold four, the lowest index in the lowest bits (the paper does not give the order).
     """
     width = CONTAINER_BITS[check_bits(bits)] if bits != 16 else None
     if width is None:

@@ -1,22 +1,22 @@
-"""Per-layer cache transforms and their offline fusion into MLA weights (spec §4, §6).
+"""Per-layer cache transforms and their offline fusion into MLA weights (the paper's App. C and D.2).
 
 Every method describes what it does to one layer with a :class:`LayerTransform`:
 
-- content path (spec §4.1): the cache becomes ``z_C = u R_C S_C``, with ``u`` the weightless
+- content path (the paper's §3.1, App. C.1): the cache becomes ``z_C = u R_C S_C``, with ``u`` the weightless
   RMSNorm of the latent, ``R_C`` orthogonal and ``S_C = diag(s_C)`` positive. The norm weight
   becomes ``s_C`` and every consumer gets ``S_C^-1 R_C^T Γ``. With neither set the layer keeps
   its native cache ``C = u Γ``.
-- RoPE path, folded (spec §4.2, Prop. 1): one angle ``theta_P`` and one tied scale ``s_P`` per
+- RoPE path, folded (the paper's Prop. 1, App. C.2): one angle ``theta_P`` and one tied scale ``s_P`` per
   frequency pair, ``K_P' = K_P R_P S_P`` and ``Q_P' = Q_P R_P S_P^-1``, folded into the
   pre-RoPE key rows of ``kv_a_proj_with_mqa`` and every head's pre-RoPE query rows.
-- RoPE path, online (spec §6.3): ``H_P``, an orthogonal d_r × d_r map applied after RoPE to both
+- RoPE path, online (QuaRot†, the paper's App. D.2): ``H_P``, an orthogonal d_r × d_r map applied after RoPE to both
   q_pe and k_pe (QuaRot†'s Hadamard, which does not commute with RoPE and so cannot be folded).
   It runs in :class:`~quantmla.attention.LatentAttention` (``rope_transform``).
 
 :func:`fuse` folds a transform into one layer through its adapter, in float32, then casts back
 to the weight dtype (float64 weights are fused in float64). :func:`quantized_content` and :func:`quantized_rope` give the caches a
 quantized fused layer effectively uses, mapped back to native coordinates: this is the
-training-time forward of spec §4.1/§4.2, which equals the fused model with QDQ inserted.
+training-time forward of the two paths, which equals the fused model with QDQ inserted.
 
 Dead latent channels: a channel whose norm weight Γ is zero never reaches a consumer and is
 cached as zero (the embedded ``smollm2_mla`` model has such a group). Content transforms keep
@@ -83,7 +83,8 @@ def live_pairs_mask(live: torch.Tensor) -> torch.Tensor:
 
 
 def cayley(P: torch.Tensor) -> torch.Tensor:
-    """R = (I - A)(I + A)^-1 with A = P - P^T (spec §9 item 6): orthogonal, R = I at P = 0."""
+    """R = (I - A)(I + A)^-1 with A = P - P^T (a Cayley form; the paper does not give its variant):
+    orthogonal, R = I at P = 0."""
     A = P - P.transpose(-1, -2)
     eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
     # (I - A) and (I + A) commute, so (I - A)(I + A)^-1 = (I + A)^-1 (I - A).

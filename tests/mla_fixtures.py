@@ -154,7 +154,7 @@ def planted_outliers(seed: int = 0, content_gain: float = 20.0, rope_gain: float
     (data flows through the real embedding, norms and projections). Γ is randomized. The
     ``kv_b_proj`` columns reading the loud latent channels are scaled by ``consumer_gain``: loud
     channels matter less per unit for the output, so the output's sensitivity is not isotropic in
-    the latent (the premise of the paper's function-aligned objective, spec §2.3); with
+    the latent (the premise of the paper's function-aligned objective, its §2.3); with
     ``consumer_gain=1`` a random consumer makes cache and output errors nearly proportional.
     """
     model, tok = build(tiny_config(), seed=seed)

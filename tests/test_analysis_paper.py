@@ -83,7 +83,7 @@ def test_no_runs_is_an_error(tmp_path):
 
 def test_table9_transcription_agrees_with_its_own_deltas_and_the_papers_summary():
     """Each Δ of Table 9 recomputed from its two latencies (rounded to 0.01 µs in the paper), and the
-    paper's summary of the table (spec §8.4): between −7.42 % and +4.29 %, within 0.5 % from 64K up."""
+    paper's summary of the table (App. F.1): between −7.42 % and +4.29 %, within 0.5 % from 64K up."""
     assert {b for b, _ in P.TABLE9} == {8, 32} and len(P.TABLE9) == 20
     for (b, n), (bf16, c4r4, delta) in P.TABLE9.items():
         assert abs((c4r4 / bf16 - 1) * 100 - delta) < 0.02, (b, n)
@@ -94,7 +94,7 @@ def test_table9_transcription_agrees_with_its_own_deltas_and_the_papers_summary(
 
 
 def test_table9_benchmark_says_it_needs_a_gpu():
-    """bench/table9.py (spec §8.4's protocol) stops with one clear line on a machine without CUDA."""
+    """bench/table9.py (the paper's App. F.1 protocol) stops with one clear line on a machine without CUDA."""
     r = subprocess.run(
         [sys.executable, "bench/table9.py", "--quick"],
         cwd=Path(__file__).resolve().parents[1], env=os.environ | {"CUDA_VISIBLE_DEVICES": ""},
@@ -123,4 +123,4 @@ def test_latency_table_and_figure_from_the_committed_table9_records(tmp_path):
             assert row.split("|")[1 + col].strip() == f"{r['delta_pct']:+.2f}"
     assert "| 32 | 1M | +7.11 | -7.21 | 33701.48 | 33609.17 | -0.27 |" in rows
     assert (tmp_path / "table9.png").stat().st_size > 10_000
-    assert main(["latency", str(results / "decode-20261130-212443.json"), "--out", str(tmp_path)]) == 2
+    assert main(["latency", str(results / "decode-20261203-132456.json"), "--out", str(tmp_path)]) == 2

@@ -95,7 +95,7 @@ def test_protected_set_examples_from_spec():
 
 
 def test_absorbed_form_handles(tiny):
-    """W_UK / W_UV views reproduce kv_b_proj's expansion (spec §1.2)."""
+    """W_UK / W_UV views reproduce kv_b_proj's expansion (the paper's eq. 1)."""
     model, _ = tiny
     mla = adapters(model)[0]
     C = torch.randn(3, mla.dims.d_c)

@@ -34,7 +34,8 @@ def _apply(model, tok, cfg, bits="c4r4", calibration=None):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("config", BASELINES, ids=lambda c: c.name)
 def test_fused_logits_equal_the_original_with_quantization_off(family, config):
-    """Spec §4.3: calibrated for C4R4, then run with the BF16 cache: logits unchanged (fp32, 1e-4)."""
+    """The quantization-disabled check (the paper's App. C.4): calibrated for C4R4, then run with the
+    BF16 cache: logits unchanged (fp32, 1e-4)."""
     model, tok, layers = installed(family)
     ids = torch.randint(3, 259, (2, 96), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -51,7 +52,7 @@ def test_fused_logits_equal_the_original_with_quantization_off(family, config):
 
 
 def test_quarot_rope_hadamard_acts_in_native_interleaved_order():
-    """Spec §9 item 15: on a rope_interleave model the cached key is (K_P in interleaved order) · H_P."""
+    """On a rope_interleave model the cached key is (K_P in interleaved order) · H_P."""
     from quantmla.transforms import hadamard
 
     model, tok, layers = installed("v3")

@@ -30,7 +30,7 @@ def test_multirun_of_the_baselines_records_six_runs_and_prints_the_table(tmp_pat
         "calibration.heldout=4",
         "eval.seq_len=128",
         "eval.max_tokens=512",
-        "protect.enabled=false",  # the paper's baseline rows are unprotected (spec §9 item 2)
+        "protect.enabled=false",  # the paper's baseline rows are unprotected (Table 1 MMLU = Table 3's)
     ]
     env = os.environ | {"WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)

@@ -5,9 +5,8 @@ the 16-head register-fed kernel, whose page and protected-row loops each issue o
 mma.sync per warp. Neither kernel's loops may hold a divergent region (BSSY): the 128-head
 kernel's speed rests on ptxas predicating the page loop's cross-warp reduction stores instead
 of wrapping them in six BSSY/BSYNC regions, a compiler decision a kernel change can flip
-(bench/NOTES.md, v16). And the Triton decode kernel, which the CPU tests otherwise run only in
-the interpreter, compiled for sm_90 to BF16 tensor-core products; and the register-fed wgmma
-score probe beside them (bench/prototypes/rega16.py)."""
+(docs/kernel-design-notes.md). And the Triton decode kernel, which the CPU tests otherwise run
+only in the interpreter, compiled for sm_90 to BF16 tensor-core products."""
 
 import os
 import re
@@ -37,7 +36,7 @@ def test_gluon_kernel_compiles_for_hopper_with_one_tile_per_loop_iteration(bits)
     assert head and int(head.group(3)) <= 227 * 1024, r.stdout  # fits one SM's shared memory
     loops = re.findall(r"loop \d+: \d+ instructions, (\d+) HGMMA, \d+ HMMA, (\d+) BSSY", r.stdout)
     assert [int(h) for h, _ in loops] == [52, 52], r.stdout
-    assert [int(b) for _, b in loops] == [0, 0], r.stdout  # predicated reductions (v16)
+    assert [int(b) for _, b in loops] == [0, 0], r.stdout  # predicated reductions
 
 
 def test_register_fed_kernel_compiles_for_hopper_with_one_tile_per_loop_iteration():
@@ -74,26 +73,6 @@ def test_triton_decode_kernel_compiles_for_hopper_with_bf16_tensor_core_products
         )
 
 
-def test_register_fed_wgmma_score_probe_compiles_for_hopper():
-    """bench/prototypes/rega16.py (the 16-head score product with wgmma taking the reconstructed keys
-    from registers, bench/NOTES.md v23) compiles for sm_90: its layout conversion into the wgmma A
-    operand moves no data (``assert_trivial``), and each tile issues 9 groups x 4 k-steps = 36 HGMMA,
-    no mma.sync and no spill, whichever wait it uses; the reconstruction-only variant issues none."""
-    pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
-    r = _compile("bench/prototypes/rega16.py", "--sass")
-    assert r.returncode == 0, r.stderr[-3000:]
-    found = re.findall(r"MODE (\d) WAIT (-?\d+): REG:\d+ STACK:(\d+), \d+ B shared, loops \[\{'instructions': \d+, "
-                       r"'hgmma': (\d+), 'hmma': (\d+)", r.stdout)  # fmt: skip
-    got = {(int(m), int(w)): (int(s), int(g), int(h)) for m, w, s, g, h in found}
-    assert got == {
-        (0, -1): (0, 36, 0),
-        (0, 1): (0, 36, 0),
-        (0, 0): (0, 36, 0),
-        (1, -1): (0, 0, 0),
-        (2, -1): (0, 36, 0),
-    }, r.stdout
-
-
 def test_exact_kernel_compiles_for_hopper_with_one_tile_per_loop_iteration():
     """The 16-head exact-dequantization kernel compiled for sm_90, C4R4 and C2R4: two programs'
     shared memory fit one SM, no spill in the page loop (a few bytes of stack outside it, where
@@ -120,7 +99,7 @@ def test_exact_kernel_compiles_for_hopper_with_one_tile_per_loop_iteration():
 
 
 def test_exact_kernel_timing_variants_leave_out_what_they_say():
-    """The exact kernel's timing-only variants (bench/NOTES.md, v32, v34) at C4R4, compiled for sm_90:
+    """The exact kernel's timing-only variants at C4R4, compiled for sm_90:
     without unpacking (5) the page loop keeps every product and loses at least the 288 code words'
     worth of `and`/shift instructions of each product (0.625 per code, 288 codes per thread and
     product: 360 in all; 300 asked); with the copies only (8), and with them in 256-byte rows (9),
@@ -141,29 +120,6 @@ def test_exact_kernel_timing_variants_leave_out_what_they_say():
     assert got[12][1:3] == (39 + 32, 0) and got[12][4] == 2, got
 
 
-def test_tensor_core_rate_probe_compiles_with_every_chain():
-    """bench/mma_rate.py's kernels (the tensor-core rate at the exact kernel's product shapes, bench/NOTES.md
-    v34) compiled for sm_90: each loop issues its chains' products, none merged by the compiler (equal
-    chains would be), i.e. a positive multiple of 4 x chains wgmma (four per chain and iteration) or of
-    chains mma.sync per loop body, and no spill; the mixed kernel's loop holds both kinds."""
-    pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
-    r = _compile("bench/mma_rate.py", "--sass")
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = re.findall(
-        r"'kind': '(\w+)', 'N': (\d+), 'chains': (\d+), 'resources': '[^']*', 'hgmma': (\d+), 'hmma': (\d+), "
-        r"'local': (\d+)",
-        r.stdout,
-    )
-    assert len(rows) == 11, r.stdout
-    for kind, _, chains, hgmma, hmma, local in rows:
-        if kind == "mixed":  # both kinds in one loop body: 8 wgmma and 16 mma.sync per iteration
-            assert int(hgmma) > 0 and int(hgmma) % 8 == 0 and int(hmma) == 2 * int(hgmma) and int(local) == 0, r.stdout
-            continue
-        per, other = (int(hgmma), int(hmma)) if kind == "wgmma" else (int(hmma), int(hgmma))
-        step = 4 * int(chains) if kind == "wgmma" else int(chains)
-        assert per > 0 and per % step == 0 and other == 0 and int(local) == 0, r.stdout
-
-
 def test_teacher_forced_kernel_compiles_for_hopper_rounded_and_exact():
     """The teacher-forced kernel at its default tiles compiled for sm_90, its stored rows rounded and
     ``exact``: its tensor-core products are all BF16 m16n8k16 in both (a float32 operand left in the
@@ -180,24 +136,3 @@ def test_teacher_forced_kernel_compiles_for_hopper_rounded_and_exact():
             assert m and int(m.group(2)) > 0 and m.group(3) == f"{m.group(2)} HMMA.16816.F32.BF16", r.stdout
             if exact == "True":
                 assert int(m.group(1)) <= 227 * 1024 // 2, r.stdout
-
-
-def test_role_split_probe_compiles_with_its_partitions():
-    """bench/prototypes/ws_exact.py (the exact decode with its warps split by role, bench/NOTES.md v36)
-    compiles for sm_90 into warp-specialized partitions (registers reallocated with ``USETMAXREG``):
-    a P·V loop of one tile's 72 mma.sync per warp and no wgmma or spill, and score loops of one tile's
-    39 wgmma and no mma.sync; its timing-only variant 12 has P·V as 32 wgmma and no mma.sync at all."""
-    pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
-    r = _compile("bench/prototypes/ws_exact.py")
-    assert r.returncode == 0, r.stderr[-3000:]
-    found = dict(re.findall(r"VARIANT 4:168:4 ablate (\d+): (.*)", r.stdout))
-    assert set(found) == {"0", "12"}, r.stdout
-    for ablate, line in found.items():
-        shared = int(re.search(r"shared=(\d+)", line).group(1))
-        assert shared <= 227 * 1024 and int(re.search(r"USETMAXREG=(\d+)", line).group(1)) > 0, line
-        body = [tuple(map(int, t)) for t in re.findall(r"\((\d+), (\d+), (\d+), (\d+)\)", line)]
-        pv = (0, 72, 0) if ablate == "0" else (32, 0, 0)
-        assert body[0][1:] == pv, line  # the default partition's loop comes first
-        assert any(g == 39 and h == 0 for _, g, h, _ in body[1:]), line
-        if ablate == "12":
-            assert all(h == 0 for _, _, h, _ in body), line

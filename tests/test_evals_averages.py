@@ -1,4 +1,4 @@
-"""The paper's averages, checked against the paper's own tables (spec §7.3-7.5)."""
+"""The paper's averages, checked against the paper's own tables (Tables 1, 2 and 8)."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""Decode attention: Triton kernel against the float32 reference, and the reference against the spec."""
+"""Decode attention: Triton kernel against the float32 reference, and the reference against the paper's equations."""
 
 import pytest
 import torch
@@ -254,7 +254,7 @@ def test_decode_with_p_as_one_bf16_tile(cb):
 
 @pytest.mark.parametrize("cb, rb", [(4, 4), (2, 4), (16, 16)])
 def test_reference_decode_is_the_spec(cb, rb):
-    """Float64 from the skeleton's quantizer (quant.qdq) and spec §3's protected set P_L."""
+    """Float64 from the skeleton's quantizer (quant.qdq) and the paper's protected set P_L."""
     gen = torch.Generator().manual_seed(11)
     fmt = PageFormat(cb, rb)
     sink, recent = 4, 16

@@ -1,6 +1,6 @@
 """End to end on ``tiny``: perplexity and greedy generation through the core against independent references.
 
-The independent reference is written here from the spec in float64: the skeleton's
+The independent reference is written here from the paper's equations in float64: the skeleton's
 quantize–dequantize (:meth:`CacheSpec.qdq_content` / ``qdq_rope``) of the whole cache and
 the decode-faithful per-pair protection (:func:`quantmla.cache.protected_pairs`), one
 softmax, no pages and no kernels. It replaces ``attend`` on the installed layers and runs
@@ -23,7 +23,7 @@ PROMPT = "The history of the city begins with a small settlement on the river, w
 
 
 def spec_attend(self, q_lat, q_pe, C, K_P, mask):
-    """Spec §1.2 Eq. 1 with CxRy QDQ and per-pair BF16 protection, float64 (mask: None or padding)."""
+    """The paper's eq. 1 with CxRy QDQ and per-pair BF16 protection, float64 (mask: None or padding)."""
     spec = self.spec
     B, H, n, _ = q_lat.shape
     L = C.shape[2]

@@ -1,4 +1,4 @@
-"""The physical layout of spec §8.1: byte counts, Eq. 40, validation of what it cannot hold."""
+"""The physical layout of the paper's App. C.5: byte counts, eq. 40, validation of what it cannot hold."""
 
 import pytest
 import torch
@@ -10,7 +10,7 @@ from quantmla.kernels.layout import check_block_table
 
 def test_bytes_per_token_match_the_paper():
     c4r4 = PageFormat(4, 4)
-    assert c4r4.page_bytes == 20_480 and c4r4.bytes_per_token == 320  # spec §8.1
+    assert c4r4.page_bytes == 20_480 and c4r4.bytes_per_token == 320  # the paper's App. C.5
     assert c4r4.payload_bytes_per_token == 256 + 32 + 8 * 2 + 4 + 9  # codes, BF16/FP32 scales, uint8 zeros
     assert PageFormat(16, 16).page_bytes == 73_728  # BF16 page, 64 × 576 × 2
     assert PageFormat(2, 4).bytes_per_token == 192

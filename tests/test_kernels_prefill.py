@@ -1,4 +1,4 @@
-"""Teacher-forced attention with the decode-faithful rule: kernel vs reference vs the spec."""
+"""Teacher-forced attention with the decode-faithful rule: kernel vs reference vs the paper's equations."""
 
 import pytest
 import torch
@@ -49,7 +49,7 @@ def test_prefill_kernel_matches_reference(cb, rb, H, d_c, kv, ql, sink, recent):
 
 
 def test_reference_prefill_is_the_spec():
-    """Float64, per (query, key) pair: BF16 row iff j < sink or j > t − recent (spec §9 item 1)."""
+    """Float64, per (query, key) pair: BF16 row iff j < sink or j > t − recent (equal to token-by-token decoding)."""
     gen = torch.Generator().manual_seed(4)
     fmt = PageFormat(4, 4)
     sink, recent, tau = 3, 20, 0.08
@@ -129,7 +129,7 @@ def test_bad_prefill_inputs_raise():
 @pytest.mark.parametrize("cb", [4, 2])
 def test_reference_exact_prefill_is_attention_over_the_unrounded_rows(cb):
     """Config ``exact``: float64 attention with each unprotected pair on s·(q − z) unrounded, the
-    rule of spec §9 item 1 as above; and not the default function, whose rows are rounded to BF16
+    rule as above; and not the default function, whose rows are rounded to BF16
     (on these latents that moves the output by more than 1e-5)."""
     gen = torch.Generator().manual_seed(40 + cb)
     fmt = PageFormat(cb, 4)

@@ -1,4 +1,4 @@
-"""The quantizer against an independent float64 implementation of spec eq. 35–36."""
+"""The quantizer against an independent float64 implementation of the paper's eqs. 35–36."""
 
 import numpy as np
 import pytest
@@ -8,7 +8,7 @@ from quantmla.quant import BITS, pack, qdq, quantize, unpack
 
 
 def reference(x: np.ndarray, bits: int, group: int, scale_dtype=np.float64):
-    """Eq. 35–36 in float64 with numpy (round half to even), written from the spec."""
+    """Eq. 35–36 in float64 with numpy (round half to even), written from the paper."""
     m = 2**bits - 1
     g = x.astype(np.float64).reshape(*x.shape[:-1], -1, group)
     xmin, xmax = g.min(-1, keepdims=True), g.max(-1, keepdims=True)
@@ -57,7 +57,7 @@ def test_constant_groups(bits):
     q_ref, xh_ref, _ = reference(x.numpy(), bits, 64)
     assert (quantize(x, bits, 64).codes.numpy() == q_ref).all()
     np.testing.assert_allclose(qdq(x, bits, 64).numpy(), xh_ref, rtol=1e-6, atol=1e-12)
-    # the spec gives constant groups no special care: a positive constant collapses to s*m = 1e-8
+    # the paper gives constant groups no special care: a positive constant collapses to s*m = 1e-8
     assert abs(qdq(x, bits, 64)[0, 0].item() - 1e-8) < 1e-12
 
 

@@ -24,7 +24,8 @@ FAR = dict(lr_rotation=0.3, lr_content_scale=0.3, lr_angle=0.5, lr_rope_scale=0.
 
 @pytest.mark.parametrize("family", ["tiny", "v3", "glm", "longcat"])
 def test_fused_logits_equal_the_original_after_calibration(family, tmp_path):
-    """Spec §4.3 after a real calibration whose transforms end far from identity (large learning
+    """The quantization-disabled check (the paper's App. C.4) after a real calibration whose transforms
+    end far from identity (large learning
     rates, last step kept): quantization off, fused logits equal the original's (fp32, 1e-4)."""
     model, tok, layers = installed(family)
     ids = torch.randint(3, 259, (2, 96), generator=torch.Generator().manual_seed(3))

@@ -1,4 +1,4 @@
-"""Equal-energy error interventions (spec §2.5, Table 6): the controls, their expected gains
+"""Equal-energy error interventions (the paper's App. B.3, Table 6): the controls, their expected gains
 against exact Jacobians, invariances that pin each control down, and the summary."""
 
 import math

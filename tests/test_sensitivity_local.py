@@ -1,4 +1,5 @@
-"""The local amplification model G = T·A + O (spec §2.3–2.4) against closed forms and exact Jacobians."""
+"""The local amplification model G = T·A + O (the paper's eqs. 4–5, App. B.3) against closed forms and
+exact Jacobians."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""The matched-error protocol (spec §2.1) on the tiny MLA model, its aggregation, and bad input."""
+"""The matched-error protocol (the paper's App. B.1) on the tiny MLA model, its aggregation, and bad input."""
 
 import math
 import subprocess
@@ -90,7 +90,7 @@ def test_probe_output_is_the_layers_post_o_proj_output(tiny):
 
 @pytest.mark.parametrize("path", ["C", "P"])
 def test_first_order_prediction_matches_small_finite_errors(tiny, path):
-    """NMSE_out ≈ NMSE_cache · ‖c‖²/‖y‖² · G (spec §2.3): exact in the limit of small errors."""
+    """NMSE_out ≈ NMSE_cache · ‖c‖²/‖y‖² · G (the paper's eq. 5): exact in the limit of small errors."""
     for probe in tiny[4]:
         small = probe.local(path, 1e-8, probes=2, batch=2)
         assert small["nmse_pred"] == pytest.approx(small["nmse_out"], rel=1e-3)

@@ -1,4 +1,4 @@
-"""The paper's scores and averages (spec §7.1–7.2), in one place for evaluation and analysis.
+"""The paper's scores and averages (its Tables 1 and 2), in one place for evaluation and analysis.
 
 Scores are percentages of one lm-eval metric per task. Suite A: "CS" is the mean of the five
 commonsense tasks and "avg" weights all ten tasks equally, i.e. (5·CS + MMLU + GSM8K + FDA +

@@ -5,7 +5,7 @@ was replaced by :class:`quantmla.attention.LatentAttention` (method fused, cache
 
 - log-likelihood requests run one teacher-forced forward per batch; every layer reads its
   CxRy quantize–dequantized latent cache with the decode-faithful BF16 protection of the
-  sink and recent tokens (spec §9 item 1);
+  sink and recent tokens (equal to token-by-token decoding);
 - generation requests decode token by token through the harness's generation cache
   (:func:`quantmla.attention.new_cache`), so the prompt and every generated token pass
   through the quantized cache as they would in serving.

@@ -1,4 +1,4 @@
-"""``eval=ruler``: RULER needle-in-a-haystack retrieval (spec §7.6) through the quantized decode path.
+"""``eval=ruler``: RULER needle-in-a-haystack retrieval (the paper's Figure 4) through the quantized decode path.
 
 The tasks are lm-eval's own RULER NIAH tasks (``niah_single_1/2/3``, ``niah_multikey_1/2/3``,
 ``niah_multivalue``, ``niah_multiquery``): their YAML (prompt, answer prefix, greedy generation

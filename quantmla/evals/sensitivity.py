@@ -4,9 +4,9 @@ For every cell (a dataset and a seed) ``sequences`` random non-overlapping windo
 ``seq_len`` tokens are drawn from the dataset's ``split``. The model runs once per cell with
 exact caches to capture every MLA layer's input. Then, layer by layer, a float64 copy of the
 layer measures, per sequence and one path at a time, the output NMSE caused by the path's
-``bits``-bit quantization error rescaled to cache NMSE ``target_nmse`` (spec §2.1), and —
+``bits``-bit quantization error rescaled to cache NMSE ``target_nmse`` (the paper's App. B.1), and —
 for ``local_layers`` and the first ``local_sequences`` sequences of each cell — the local
-analysis at ``local_target_nmse`` (spec §2.3–2.5). With ``interventions`` > 0 the same local
+analysis at ``local_target_nmse`` (the paper's App. B.3). With ``interventions`` > 0 the same local
 points also get the equal-energy controls of Table 6 (that many draws per control and path).
 
 The run's own cache bits do not enter: the probe perturbs exact caches of the model as the

@@ -2,10 +2,10 @@
 
 Usable on its own (a serving engine could call it) and used by the harness for every run:
 
-- :mod:`~quantmla.kernels.layout`: the physical cache of spec §8.1 (:class:`PageFormat`,
+- :mod:`~quantmla.kernels.layout`: the physical cache of the paper's App. C.5 (:class:`PageFormat`,
   :class:`PagedLayer`), block tables, protection buffers;
-- :func:`write`: quantize + pack + scatter new tokens into their pages (spec §8.2);
-- :func:`decode`: one query per request over its pages, split-KV with an LSE merge (spec §8.3);
+- :func:`write`: quantize + pack + scatter new tokens into their pages (the paper's fused writer);
+- :func:`decode`: one query per request over its pages, split-KV with an LSE merge (the paper's §3.3, App. C.5);
 - :func:`prefill`: teacher-forced causal attention with the decode-faithful protection rule;
 - :func:`attend`: teacher-forced attention over dense latents (quantized into temporary
   pages first), what evaluation and :func:`quantmla.attention.layer_output` use.

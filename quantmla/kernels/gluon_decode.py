@@ -3,7 +3,7 @@ tile is reconstructed while the tensor cores run the one before it.
 
 The Triton kernel (:mod:`.triton_decode`) cannot overlap the two: Triton 3.6 waits for every
 ``wgmma`` whose operand was reconstructed in registers right after issuing it, so at 128 heads
-C4R4 ran at ~0.83x of BF16 (bench/NOTES.md, v13-v14). Here, per 64-token tile t, in 8 warps::
+the reconstruction and the products run one after the other. Here, per 64-token tile t, in 8 warps::
 
     issue S^T = C_t q^T + K_P,t q_pe^T            (five async wgmma: tokens on M, 64 heads on N)
     reconstruct tile t + 1 into the other buffer    (CUDA cores, while the scores run)
@@ -414,7 +414,7 @@ def _h64_decode_kernel(Q, QPE, O, LSE, BT, LENS, PROT,
     if SINK > 0:
         if pid_s == 0:  # the sink rows, swapped into page tile 0 after the prologue, on their way to L2
             # (with this branch here ptxas compiles the page loop's cross-warp reductions predicated, not as
-            # branches in convergence regions: 4-6 % faster at 8K tokens, bench/NOTES.md v16)
+            # branches in convergence regions, which is faster; bench/gluon_sass.py checks it)
             _prefetch_rows(PROT + b * stride_pb, 0, 8, SINK - 1, (DC + DR) * 2)
     qh = pid_h * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, LQ))
     qc = gl.arange(0, CW, layout=gl.SliceLayout(0, LQ))

@@ -1,4 +1,4 @@
-"""The physical latent cache of spec §8.1: pages of 64 tokens, packed codes + metadata.
+"""The physical latent cache of the paper's App. C.5: pages of 64 tokens, packed codes + metadata.
 
 Per layer the cache is one ``uint8`` pool of pages. A page holds 64 consecutive tokens of
 one request; a block table maps a request's logical page ``p`` (tokens ``64p .. 64p+63``)
@@ -40,13 +40,13 @@ import torch
 from quantmla.quant import BITS, CONTAINER_BITS, CxRy
 
 PAGE = 64
-"""Tokens per page (spec §8.1)."""
+"""Tokens per page (the paper's App. C.5)."""
 
 PAGE_ALIGN = 4096
 """Pages are padded to a multiple of this many bytes (64 B per token)."""
 
 REVERSE_MAP_BYTES = 8
-"""Bytes per page of the page → owner map (spec §8.1, Eq. 40)."""
+"""Bytes per page of the page → owner map (the paper's eq. 40)."""
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 """Cache dtypes the layout holds (the dtype of the unquantized rows); float64 runs on the reference only."""
@@ -146,7 +146,7 @@ class PageFormat(CxRy):
         return (sink + recent) * (self.d_c + self.d_r) * self.dtype.itemsize if self.quantized else 0
 
     def request_bytes(self, L: int, sink: int = 4, recent: int = 128) -> int:
-        """Spec Eq. 40: persistent bytes of one request of ``L`` tokens in one layer."""
+        """The paper's eq. 40: persistent bytes of one request of ``L`` tokens in one layer."""
         pages = -(-L // PAGE)
         if not self.quantized:
             return pages * self.page_bytes

@@ -3,7 +3,7 @@ registers, with no reconstructed tile in shared memory.
 
 The Triton kernel (:mod:`.triton_decode`) reconstructs each 64-token tile, stores it to shared
 memory and reads it back for both products: ~4 KB of shared-memory traffic per token, more than
-the 2.8x bar at 16 heads leaves time for (bench/NOTES.md, "Where it stands"). Here every operand
+the 2.8x bar at 16 heads leaves time for (docs/kernel-design-notes.md). Here every operand
 of ``mma.sync.m16n8k16`` (16 heads = one M tile) is built in the registers of the thread that
 feeds it, each thread unpacking its own code words twice: once in the score product's B layout
 (channels along K) and once in P·V's (tokens along K). Both contractions may run in any order,
@@ -37,11 +37,10 @@ Takes C4R4 in a BF16 cache (group 64, d_c 512, d_r 64, protection buffers on) fo
 on a Hopper GPU (:func:`applies`), with P as one BF16 tile. :func:`.triton_decode.plan` sends a
 decode here when its config asks for that precision (``pv_split=False``; the default at 16 heads
 keeps the hi/lo P of the Triton kernel) and each split walks at least ``MMA16_MIN_TILES`` tiles.
-With the same BF16 P, the Triton kernel is as fast at 65 tiles per split and 4 % slower at 257;
-below, it is faster (bench/NOTES.md, v17-v19).
+With the same BF16 P this kernel pays off on long splits only; on short ones the Triton kernel is
+faster, hence the threshold.
 No interpreter runs Gluon: the GPU tests cover this file; ``python bench/gluon_sass.py --mma16``
-compiles it for sm_90 without a GPU and ``python bench/mma16_check.py`` times it with
-each stage left out in turn (``ablate``, for timing only).
+compiles it for sm_90 without a GPU. ``ablate`` leaves stages out, for timing only.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Written for clarity: it reads the same pages through the skeleton's quantizer
 (:func:`quantmla.quant.quantize`, :func:`~quantmla.quant.pack`, :func:`~quantmla.quant.unpack`,
-:meth:`~quantmla.quant.QTensor.dequantize`) and computes absorbed attention (spec §1.2,
-Eq. 1) request by request in float32::
+:meth:`~quantmla.quant.QTensor.dequantize`) and computes absorbed attention (the paper's
+eq. 1) request by request in float32::
 
     S_h = tau (q_lat_h Ĉ^T + q_pe_h K̂_P^T),   A_h = softmax(S_h),   o_lat_h = A_h Ĉ
 
@@ -153,7 +153,7 @@ def prefill(
     config: dict | None = None,
     out=None,
 ):
-    """Teacher-forced attention with the decode-faithful protection rule (spec §9 item 1).
+    """Teacher-forced attention with the decode-faithful protection rule (equal to token-by-token decoding).
 
     Request ``b`` has ``kv_len[b]`` keys: rows of ``C`` (B, L, d_c) and ``K_P`` (B, L, d_r) in
     the cache dtype, and (when ``layer`` is given) their stored copies in ``layer``'s pages

@@ -1,4 +1,4 @@
-"""Decode attention over the paged cache (spec §8.3): split-KV, fused dequant, one softmax.
+"""Decode attention over the paged cache (the paper's §3.3, App. C.5): split-KV, fused dequant, one softmax.
 
 Grid ``(head blocks, splits, batch)``. A program takes ``BLOCK_H`` query heads of one request
 and a contiguous range of its tiles (``BLOCK_N`` tokens of one page). Per tile it gathers the
@@ -19,8 +19,8 @@ splits, each writes a normalized partial output and its LSE and a second kernel 
 them: m = max_j m_j, O = sum_j e^(m_j − m) s_j o_j / sum_j e^(m_j − m) s_j.
 
 Tiles, warps, pipeline depth and split counts come from :data:`TILES` (the fastest of
-``bench/decode.py --tune`` on the H200) and :func:`_splits`; ``bench/NOTES.md`` records
-each version's measurements.
+``bench/decode.py --tune`` on the H200) and :func:`_splits`; docs/kernels.md describes them and
+their speed.
 """
 
 from __future__ import annotations
@@ -435,13 +435,13 @@ def _splits(B: int, heads: int, tiles: int, slots: int) -> int:
 
 TILES = {
     # (H > 16, quantized) -> tiles, warps, pipeline depth, content chunks: the fastest of
-    # bench/decode.py --tune on the H200 (bench/NOTES.md, v3, v6 and v13). Four-warp programs run
+    # bench/decode.py --tune on the H200. Four-warp programs run
     # two per SM. Above 16 heads, P enters P·V as one BF16 tile (FlashMLA's precision): that is
     # what lets 64-head programs compile to wgmma, one program per 64 heads reconstructing each
-    # tile once. Four content chunks cut the registers a reconstructed tile holds (v13). Where the
-    # Gluon Hopper kernel applies (C4R4 and C2R4, see gluon_decode.applies), it runs instead (v15).
+    # tile once. Four content chunks cut the registers a reconstructed tile holds. Where the
+    # Gluon Hopper kernel applies (C4R4 and C2R4, see gluon_decode.applies), it runs instead.
     # At up to 16 heads the default keeps the hi/lo P; asked for P as one BF16 tile (pv_split=False),
-    # C4R4 runs the register-fed Gluon kernel where its splits are long enough (uses_mma16, v19).
+    # C4R4 runs the register-fed Gluon kernel where its splits are long enough (uses_mma16).
     (False, False): dict(block_h=16, block_n=64, num_warps=4, num_stages=2, chunks=4),
     (False, True): dict(block_h=16, block_n=64, num_warps=4, num_stages=2, chunks=4),
     (True, False): dict(block_h=64, block_n=64, num_warps=8, num_stages=2, pv_split=False),
@@ -530,7 +530,7 @@ def split_work(layer, max_len: int, block_n: int, num_splits: int, sink_in_tile0
     return triton.cdiv(work, per), per
 
 
-EXACT_PROT_WEIGHT = 5  # page tiles one protected tile weighs in the exact kernel's splits (bench/NOTES.md, v33)
+EXACT_PROT_WEIGHT = 5  # page tiles one protected tile weighs in the exact kernel's splits (rows off the pipeline)
 
 
 def prot_weight(cfg: dict) -> int:
@@ -607,14 +607,12 @@ def _exact():
 
 GLUON_MIN_TILES = 4
 """Fewest tiles per split for the Gluon kernel: with 1-2 its prologue (the query block and the first
-tile, not overlapped) costs more than the overlap wins (H=128, B=1, L <= 8K: 18 % slower than the
-Triton kernel at 1-2 tiles per split, 5 % faster at 8; bench/NOTES.md, v15)."""
+tile, not overlapped) costs more than the overlap wins."""
 
 MMA16_MIN_TILES = 64
 """Fewest tiles per split for the 16-head register-fed kernel (config ``mma16_min_tiles`` overrides).
-Against the Triton kernel with the same BF16 P it measured 12 % slower at 17 tiles per split
-(B=32, L=8K) and 34 % at batch 1, even at 65 (B=32, L=32K: 0.315 against 0.316 ms) and 4 % faster
-at 257 (B=128, L=32K: 1.133 against 1.179 ms; bench/NOTES.md, v19)."""
+Against the Triton kernel with the same BF16 P it is slower on short splits, even around this
+length, and faster on long ones."""
 
 
 def uses_gluon(layer, H: int, cfg: dict, device, per: int) -> bool:
@@ -685,7 +683,7 @@ def plan(layer, H: int, cfg: dict, device, max_len: int) -> Plan:
     takes the shape with its own work count, the register-fed one where :func:`uses_mma16` does,
     else the Triton kernel. That one takes the sink into page tile 0 (one work tile fewer) at up to
     16 heads where splits hold more than one tile: alone, the peeled tile 0 takes longer than a
-    protected tile of its own (bench/NOTES.md, v22)."""
+    protected tile of its own."""
     bn, ns = cfg["block_n"], int(cfg["num_splits"])
     if cfg.get("exact"):
         check_exact(layer, H, device)

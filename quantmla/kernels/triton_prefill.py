@@ -1,4 +1,4 @@
-"""Teacher-forced attention with the decode-faithful protection rule (spec §9 item 1).
+"""Teacher-forced attention with the decode-faithful protection rule (equal to token-by-token decoding).
 
 For evaluation: every query of a sequence attends causally to its keys, and the pair
 (query ``t``, key ``j``) uses the cache-dtype row of ``j`` iff ``j < sink`` or
@@ -321,11 +321,10 @@ def dequantized(layer, block_table, kv_len, L: int, dtype):
 def default_config(H: int, n: int, fmt, quantized: bool, exact: bool = False) -> dict:
     """Tiles for the teacher-forced kernel: the fastest of ``bench/prefill.py --tune`` on the H200 for
     every format (32 rows × 64 keys, 8 warps; 64-row tiles of 64 keys exceed shared memory). The
-    quantized variant keeps both key tiles live; 16-key tiles, taken earlier for its registers,
-    ran it 4–5× slower (bench/NOTES.md, "Teacher-forced tiles"). With ``exact`` (each stored row a hi/lo
-    pair) 16 rows × 16 keys, 4 warps, the fastest of ``bench/prefill.py --exact --tune c4r4_exact`` at
-    B=1, n=4096 (11.6 ms; 16 × 32 12.4, 32 × 32 12.6; the rounded kernel 5.0), where the rounded
-    kernel's tiles spill 2.7–2.9 KB per thread (sm_90 compile, ``bench/gluon_sass.py --prefill``)."""
+    quantized variant keeps both key tiles live; 16-key tiles, chosen for its registers, are much
+    slower. With ``exact`` (each stored row a hi/lo pair) 16 rows × 16 keys, 4 warps, the fastest of
+    ``bench/prefill.py --exact --tune c4r4_exact``, where the rounded kernel's tiles spill
+    (sm_90 compile, ``bench/gluon_sass.py --prefill``)."""
     if INTERPRET:
         return dict(block_m=64, block_n=64, num_warps=4, num_stages=1)
     if exact:

@@ -1,4 +1,4 @@
-"""Fused writer (spec §8.2): quantize, pack and scatter new tokens into their pages.
+"""The paper's fused writer: quantize, pack and scatter new tokens into their pages.
 
 One program per token: eq. 35–36 on the content row (BF16 scales) and the RoPE row (FP32
 scales), codes packed into the token's page slot, and the protection buffer updated (a sink

@@ -1,16 +1,16 @@
-"""QuantMLA (spec §4–§5): path-specific learned transforms, function-aligned objectives, offline fusion.
+"""QuantMLA (the paper's §3, App. C): path-specific learned transforms, function-aligned objectives, offline fusion.
 
-Content path (§4.1): per layer an orthogonal R_C = Cayley(P) (P = 0 at start) and a positive
+Content path (the paper's §3.1, App. C.1): per layer an orthogonal R_C = Cayley(P) (P = 0 at start) and a positive
 channel scale s_C = exp(clip(ρ_C, ±2)) in the weightless-RMSNorm coordinates; the cache becomes
-z_C = u R_C S_C. Trained against L_C, the post-``o_proj`` attention-output NMSE (§5.1), with
-the RoPE path exact. RoPE path (§4.2): per layer one angle and one tied scale per frequency pair,
+z_C = u R_C S_C. Trained against L_C, the post-``o_proj`` attention-output NMSE (eq. 8), with
+the RoPE path exact. RoPE path (Prop. 1, App. C.2): per layer one angle and one tied scale per frequency pair,
 in the model's own pairing; trained against L_P, the positional QK reconstruction over all heads
-and causal pairs (§5.2), with the content path exact. Both: straight-through rounding, FP32
+and causal pairs (eq. 10), with the content path exact. Both: straight-through rounding, FP32
 quantizer scales, no protection (every token quantized), anchors 1e-4 × mean-squared deviation
-from the initialization (§9 item 5), scale init by the held-out α-grid of §5.5 (α = 0 wins ties).
+from the initialization (a form the paper leaves open), scale init by the held-out α-grid of eq. 37 (α = 0 wins ties).
 Each path is learned separately with its own budget, selected at its best held-out step
 (:mod:`quantmla.optim`), then both are fused offline (:mod:`quantmla.transforms`) and the fused
-model's NLL on a held-out window is compared with the original's (quantization off, §4.3).
+model's NLL on a held-out window is compared with the original's (quantization off, App. C.4).
 
 Every path's result is stored under ``MethodContext.cache_dir/quantmla/<key>/`` as safetensors
 with the config that made it, keyed by a hash of (model weights and config, method config, the
@@ -184,7 +184,7 @@ class ContentPath:
 
     def transforms(self) -> list[dict]:
         """The selected R_C and s_C; R_C is solved once more in float64 so the fused rotation is orthogonal
-        to round-off (training solves in float32, spec §9 item 6)."""
+        to round-off (training solves in float32)."""
         with torch.no_grad():
             return [
                 {"R_C": cayley((self.P[i] * self.mask[i]).double()).float(), "s_C": self.scale(i)}
@@ -424,7 +424,7 @@ class QuantMLA(Method):
             }
 
     def _alpha_init(self, held: Teacher, a_C, a_P, need, todo, spec, progress) -> dict:
-        """Spec §5.5: per path, the α of the grid with the lowest held-out path objective (R = I, θ = 0)."""
+        """The paper's eq. 37: per path, the α of the grid with the lowest held-out path objective (R = I, θ = 0)."""
         cfg = self.config
         logs = {
             "C": {

@@ -1,4 +1,4 @@
-"""Dual-path sensitivity analysis of MLA caches (spec §2).
+"""Dual-path sensitivity analysis of MLA caches (the paper's §2.2–2.3, App. B).
 
 - :mod:`~quantmla.sensitivity.probe`: one layer on one sequence; the matched-error protocol
   (INT4 error directions of one path rescaled to a target cache NMSE, post-``o_proj``

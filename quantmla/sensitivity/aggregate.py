@@ -1,4 +1,4 @@
-"""Aggregation of the sensitivity measurements (spec §2.1 "Aggregation", §9 item 20; §2.5).
+"""Aggregation of the sensitivity measurements (the paper's App. B.1 and B.3).
 
 Per sequence and layer, each path has a response R_b = NMSE_out / NMSE_cache. Within a cell
 (one dataset and one seed) the sequences' R are averaged; the layer's R̄_b is the mean over
@@ -6,7 +6,7 @@ cells, its envelope the min and max over cells. The layer ratio is r_ℓ = R̄_P
 model's content and RoPE responses are the means of R̄_C and R̄_P over layers, and the model
 ratio is RoPE response / content response (not the mean of r_ℓ).
 
-The predictive check (spec §2.5) compares the frozen predictor
+The predictive check (the paper's App. B.3) compares the frozen predictor
 log(G_P/G_C) ≈ log(T_P/T_C) + log(A_P/A_C) + γ with the measured gain ratio. The controlled
 interventions (Table 6) are summarised per control and path as the geometric mean of the
 gain ratios over every point and draw.
@@ -21,7 +21,7 @@ from statistics import fmean, median
 from quantmla.sensitivity.interventions import CONTROLS, geometric_mean
 
 GAMMA = -0.0749614410
-"""The predictor's offset, fitted by the paper on DeepSeek-V2-Lite and frozen (spec Eq. 20)."""
+"""The predictor's offset, fitted by the paper on DeepSeek-V2-Lite and frozen (the paper's eq. 20)."""
 
 
 def _group(rows, key):
@@ -102,7 +102,7 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 
 def predictor_check(points: list[dict], gamma: float = GAMMA) -> dict:
-    """Spec §2.5 (Table 5) over the local points (each with T_b, A_b, G_b, G_finite_b for b = C, P).
+    """The paper's Table 5 over the local points (each with T_b, A_b, G_b, G_finite_b for b = C, P).
 
     The measured quantity is log(G_P/G_C) from the finite-perturbation gains; the JVP gains
     are compared with them separately.

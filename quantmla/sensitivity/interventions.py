@@ -1,4 +1,4 @@
-"""Controlled equal-energy error interventions (spec §2.5, Table 6).
+"""Controlled equal-energy error interventions (the paper's App. B.3, Table 6).
 
 Each control changes how a path's quantization error ``e`` is laid out while keeping its
 energy ‖e‖² (so the cache NMSE) fixed, and compares the local gain G(e') = ‖J e'‖²/‖e'‖²

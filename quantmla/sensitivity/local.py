@@ -1,4 +1,4 @@
-"""The local amplification model of spec §2.3–2.4, for any differentiable map y = f(c).
+"""The local amplification model of the paper (eqs. 4–5, 15–18, App. B.3), for any differentiable map y = f(c).
 
 For a path state ``c`` (one path's cache, any shape) and an error direction ``e``:
 
@@ -42,7 +42,7 @@ def nmse(approx: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def rescale(e: torch.Tensor, c: torch.Tensor, target: float) -> torch.Tensor:
-    """κ·e with κ = sqrt(target ‖c‖² / ‖e‖²): same direction, cache NMSE = ``target`` (spec §2.1 step 2)."""
+    """κ·e with κ = sqrt(target ‖c‖² / ‖e‖²): same direction, cache NMSE = ``target`` (App. B.1)."""
     if not target > 0:
         raise ValueError(f"target cache NMSE must be positive, got {target}")
     ee, cc = sq(e), sq(c)

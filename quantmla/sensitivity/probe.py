@@ -1,4 +1,4 @@
-"""One MLA layer on one sequence: the matched-error protocol (spec §2.1) and its local analysis (§2.3–2.5).
+"""One MLA layer on one sequence: the matched-error protocol (the paper's App. B.1) and its local analysis (App. B.3).
 
 A :class:`LayerProbe` holds a frozen high-precision copy of the layer, its exact caches
 (C and post-RoPE K_P, in the model's declared cache coordinates) computed from the
@@ -65,7 +65,7 @@ def frozen_copy(layer: LatentAttention, dtype: torch.dtype) -> LatentAttention:
 
 def quantization_error(path: str, c: torch.Tensor, bits: int = 4, group: int = 64) -> torch.Tensor:
     """e_b = QDQ(c_b) − c_b with the cache's own quantizer (per token, groups of ``group``;
-    content scales stored in BF16, RoPE scales in FP32, spec §3)."""
+    content scales stored in BF16, RoPE scales in FP32, as the paper stores them)."""
     spec = CacheSpec(content_bits=bits, rope_bits=bits, group=group, protect=False)
     c_hat = spec.qdq_content(c) if path == "C" else spec.qdq_rope(c)
     return c_hat.to(c.dtype) - c
@@ -110,7 +110,7 @@ class LayerProbe:
 
     @torch.no_grad()
     def response(self, path: str, target: float, bits: int = 4, group: int = 64) -> dict:
-        """Spec §2.1: NMSE_cache, NMSE_out and R = NMSE_out / NMSE_cache for one path."""
+        """The paper's App. B.1: NMSE_cache, NMSE_out and R = NMSE_out / NMSE_cache for one path."""
         c = self.cache[path]
         c_hat = c + self.matched_error(path, target, bits, group)
         nc = nmse(c_hat, c)
@@ -127,7 +127,7 @@ class LayerProbe:
         batch: int = 16,
         generator: torch.Generator | None = None,
     ) -> dict:
-        """Spec §2.3–2.5 at cache NMSE ``target``: T, A, O, G (JVP), the finite gain and the
+        """The paper's eqs. 4–5 and App. B.3 at cache NMSE ``target``: T, A, O, G (JVP), the finite gain and the
         first-order prediction NMSE_out ≈ NMSE_cache · ‖c‖²/‖y‖² · G."""
         c = self.cache[path]
         e = self.matched_error(path, target, bits, group)
@@ -153,7 +153,7 @@ class LayerProbe:
         group: int = 64,
         generator: torch.Generator | None = None,
     ) -> dict:
-        """Spec §2.5 (Table 6) at cache NMSE ``target``: the original error's JVP gain ``iv_G`` and,
+        """The paper's Table 6 at cache NMSE ``target``: the original error's JVP gain ``iv_G`` and,
         per control, the geometric mean over ``reps`` draws of the gain ratio (``iv_<control>``)."""
         e = self.matched_error(path, target, bits, group)
         r = gain_ratios(self.fn(path), self.cache[path], e, reps, generator or torch.Generator().manual_seed(0))
