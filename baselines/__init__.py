@@ -1,3 +1,3 @@
-"""Baselines adapted to MLA (spec §6), registered in :mod:`quantmla.methods`."""
+"""Baselines adapted to MLA (spec §6), registered with :mod:`quantmla.registry`."""
 
 from baselines import quarot, rtn, smoothquant  # noqa: F401
