@@ -1,10 +1,10 @@
-"""The GPU-side scorer of ``quantmla.models.measure`` against lm-eval's own HFLM on the same requests."""
+"""The GPU-side scorer of ``quantmla.models.tooling.measure`` against lm-eval's own HFLM on the same requests."""
 
 import torch
 from lm_eval.models.huggingface import HFLM
 
-from quantmla.models.measure import score_ll
 from quantmla.models.tiny import build
+from quantmla.models.tooling.measure import score_ll
 
 
 def test_score_ll_matches_hflm():
