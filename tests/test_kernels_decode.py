@@ -39,6 +39,7 @@ def _poisoned(B, H, d_c=512):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=lambda v: str(v))
 def test_decode_kernel_matches_reference(case):
     cb, rb, H, lengths, d_c = case if len(case) == 5 else (*case, 512)
@@ -61,6 +62,7 @@ def test_decode_kernel_matches_reference(case):
         assert rel(lse, lse_ref) < TOL and same_inf(lse, lse_ref)
 
 
+@pytest.mark.slow
 def test_decode_splits_count_the_protected_rows_as_work_tiles():
     """Work is the page tiles up to the recent window plus the protected tiles (sink and ring, 132
     rows: 3 tiles of 64), cut into equal shares; a request's work tiles past its page tiles are its
@@ -140,6 +142,7 @@ def test_exact_kernel_splits_weigh_the_protected_tiles(sink, recent):
                     assert sorted(pages) == list(range(n)) and sorted(prot) == list(range(k)), (max_len, ns, w, n)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sink, block_n", [(4, 16), (16, 16), (17, 16), (0, 32), (40, 32)], ids=str)
 def test_decode_sink_in_page_tile_zero_or_among_the_protected_tiles(sink, block_n):
     """Sink rows that fit in one tile ride in page tile 0, swapped in from the protection buffer; a
@@ -169,6 +172,7 @@ def test_decode_sink_in_page_tile_zero_or_among_the_protected_tiles(sink, block_
         assert rel(o, o_ref) < TOL and rel(lse, lse_ref) < TOL and same_inf(lse, lse_ref), splits
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "cb, H, lengths",
     [
@@ -199,6 +203,7 @@ def test_decode_reads_protected_rows_from_the_protection_buffer(cb, H, lengths):
         assert rel(o, o_ref) < tol and rel(lse, lse_ref) < TOL and same_inf(lse, lse_ref), cfg
 
 
+@pytest.mark.slow
 def test_decode_of_an_empty_request():
     gen = torch.Generator().manual_seed(0)
     layer, bt, lens, _, _ = filled_layer(PageFormat(4, 4), [40, 0], gen)
@@ -230,6 +235,7 @@ def test_merge_of_splits_is_their_lse_weighted_mean(splits):
     assert rel(o.cpu().double()[ok], want_o[ok]) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cb", [16, 4, 2])
 def test_decode_with_p_as_one_bf16_tile(cb):
     """``pv_split=False`` (P·V with P rounded to BF16 once, FlashMLA's precision) on 64-head tiles:
@@ -306,6 +312,7 @@ def test_split_count_assumes_the_programs_a_register_cap_lets_an_sm_hold():
     assert programs_per_sm(dict(num_warps=4)) == 2 and programs_per_sm(dict(num_warps=8)) == 1
 
 
+@pytest.mark.slow
 def test_a_register_cap_is_a_known_decode_config_key():
     gen = torch.Generator().manual_seed(3)
     layer, bt, lens, _, _ = filled_layer(PageFormat(4, 4), [70], gen)
