@@ -1,3 +1,3 @@
-"""Baselines adapted to MLA (the paper's App. D.2), registered in :mod:`quantmla.methods`."""
+"""Baselines adapted to MLA (the paper's App. D.2), registered with :mod:`quantmla.registry`."""
 
 from baselines import quarot, rtn, smoothquant  # noqa: F401

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from quantmla.calibration import check_pairing
-from quantmla.methods import Method, MethodConfig, MethodContext, register
+from quantmla.registry import Method, MethodConfig, MethodContext, register
 from quantmla.transforms import (
     LayerTransform,
     block_hadamard,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from quantmla.methods import Method, MethodConfig, register
+from quantmla.registry import Method, MethodConfig, register
 
 
 @dataclass

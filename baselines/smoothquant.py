@@ -24,7 +24,7 @@ from quantmla.calibration import (
     heldout_mean,
     rope_loss,
 )
-from quantmla.methods import Method, MethodConfig, MethodContext, register
+from quantmla.registry import Method, MethodConfig, MethodContext, register
 from quantmla.transforms import (
     LayerTransform,
     from_state,

@@ -16,7 +16,7 @@ useful TFLOP/s (2·B·H·L·(576 + 512)) and the speed-up over C16R16. "unfused"
 the whole C4R4 cache with torch ops into BF16 pages and then runs the C16R16 kernel. The
 device copy bandwidth (bytes read + written) is measured in the same run. ``--pv bf16``
 times P·V with P as one BF16 tile instead of the hi/lo pair. At up to 16 heads the same C4R4
-and C2R4 pages are also timed through the exact-dequantization kernel (config ``exact=True``:
+and C2R4 pages are also timed through the exact-dequantization kernel (``exact=True``:
 keys ``c4r4_exact_*`` and ``c2r4_exact_*``). Writes ``decode-<date>.json`` (a list ``rows``,
 top-level ``copy_TBps``) and ``.md``.
 """
@@ -42,8 +42,9 @@ from quantmla.kernels import (  # noqa: E402
     PAGE,
     PagedLayer,
     PageFormat,
-    triton_decode,  # noqa: E402
+    dispatch,
 )
+from quantmla.kernels.splits import Case  # noqa: E402
 
 FORMATS = {"c16r16": (16, 16), "c4r4": (4, 4), "c2r4": (2, 4)}
 SINK, RECENT = 4, 128
@@ -129,13 +130,13 @@ class Shape:
         fmt = self.layers[name].fmt
         return self.B * (self.per * fmt.page_bytes + fmt.protection_bytes(SINK, RECENT))
 
-    def time(self, name, cfg) -> float:
+    def time(self, name, cfg, exact=False) -> float:
         layer, tables = self.layers[name], self.tables[name]
-        kernels.decode(layer, tables[0], self.lengths, self.q, self.qp, TAU, "triton", cfg)  # validated; compiles
+        kernels.decode(layer, tables[0], self.lengths, self.q, self.qp, TAU, "triton", cfg, exact=exact)  # compiles
         cfg = dict(cfg, max_len=self.L)
         out = (torch.empty(self.B, self.H, D_C, device=DEV), torch.empty(self.B, self.H, device=DEV))
         calls = [
-            functools.partial(triton_decode.decode, layer, t, self.lengths, self.q, self.qp, TAU, cfg, out)
+            functools.partial(dispatch.decode, layer, t, self.lengths, self.q, self.qp, TAU, cfg, out, exact)
             for t in tables
         ]
         return time_calls(calls)
@@ -192,8 +193,8 @@ def run_shape(H, B, L, gen, l2_bytes, configs, check=True):
         cfg = configs.get((H, name), {})
         ms = sh.time(name, cfg)
         layer = sh.layers[name]
-        full = triton_decode.default_config(B, H, L, layer, layer.pool.device, cfg)
-        row[f"{name}_kernel"] = triton_decode.plan(layer, H, full, layer.pool.device, L)[0]
+        full = dispatch.default_config(B, H, L, layer, layer.pool.device, cfg)
+        row[f"{name}_kernel"] = dispatch.plan(Case(layer, H, L, layer.pool.device, False, full)).name
         row[f"{name}_ms"] = ms
         row[f"{name}_TBps"] = sh.stored_bytes(name) / ms / 1e9
         row[f"{name}_TFLOPs"] = flops(B, H, L) / ms / 1e9
@@ -205,19 +206,19 @@ def run_shape(H, B, L, gen, l2_bytes, configs, check=True):
 
     def unfused():
         unfused_dequant(src, src_bt, dst, dst_bt, L)
-        return triton_decode.decode(dst, dst_bt, sh.lengths, sh.q, sh.qp, TAU, cfg16)
+        return dispatch.decode(dst, dst_bt, sh.lengths, sh.q, sh.qp, TAU, cfg16)
 
     ms = time_calls([unfused])
     row["unfused_ms"] = ms
     row["unfused_TBps"] = sh.stored_bytes("c4r4") / ms / 1e9
     row["unfused_TFLOPs"] = flops(B, H, L) / ms / 1e9
     if check:  # the fused kernel and the unfused path compute the same function
-        fused = triton_decode.decode(src, src_bt, sh.lengths, sh.q, sh.qp, TAU, cfg4)[0]
+        fused = dispatch.decode(src, src_bt, sh.lengths, sh.q, sh.qp, TAU, cfg4)[0]
         o_unf = unfused()[0]
         row["fused_vs_unfused_rel_err"] = float((fused - o_unf).norm() / o_unf.norm())
     names = list(FORMATS) + ["unfused"]
     for name in ("c4r4", "c2r4") if H <= 16 else ():  # the same pages through the exact-dequantization kernel
-        ms = sh.time(name, dict(configs.get((H, name), {}), exact=True))
+        ms = sh.time(name, configs.get((H, name), {}), exact=True)
         row[f"{name}_exact_kernel"] = "exact"
         row[f"{name}_exact_ms"] = ms
         row[f"{name}_exact_TBps"] = sh.stored_bytes(name) / ms / 1e9

@@ -2,9 +2,7 @@
 
     python bench/gluon_sass.py            # the Gluon kernel, C4R4 and C2R4
     python bench/gluon_sass.py --bits 4 --keep /tmp/g4.sass
-    python bench/gluon_sass.py --mma16    # the 16-head register-fed kernel (quantmla/kernels/mma_decode.py)
     python bench/gluon_sass.py --exact    # the 16-head exact-dequantization kernel, C4R4 and C2R4 (quantmla/kernels/exact_decode.py)
-    python bench/gluon_sass.py --exact --bits 4 --ablate 8   # one of its timing-only variants
     python bench/gluon_sass.py --triton   # the Triton kernel at 16 heads, sink in page tile 0 and not
     python bench/gluon_sass.py --prefill  # the teacher-forced kernel, stored rows rounded and exact
 
@@ -44,11 +42,9 @@ POINTERS = dict(Q="bf16", QPE="bf16", O="fp32", LSE="fp32", BT="i32", LENS="i64"
 INSTR = re.compile(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)([^;]*);")
 
 
-def compile_sass(bits: int, mma16: bool = False, exact: bool = False, ablate: int = 0) -> tuple[str, str, int]:
-    """(SASS text, resource line, shared bytes) of the kernel for ``bits``-bit content codes (or
-    of the 16-head register-fed kernel :mod:`quantmla.kernels.mma_decode`, or of the 16-head
-    exact-dequantization kernel :mod:`quantmla.kernels.exact_decode`, with its timing-only
-    variant ``ablate``)."""
+def compile_sass(bits: int, exact: bool = False) -> tuple[str, str, int]:
+    """(SASS text, resource line, shared bytes) of the Gluon kernel for ``bits``-bit content codes (or
+    of the 16-head exact-dequantization kernel :mod:`quantmla.kernels.exact_decode`)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     if exact:
@@ -57,14 +53,10 @@ def compile_sass(bits: int, mma16: bool = False, exact: bool = False, ablate: in
         from quantmla.kernels import PageFormat, exact_decode
 
         k, warps = exact_decode._exact16_kernel, exact_decode.WARPS
-        consts = exact_decode.constexprs(PageFormat(bits, 4, 512, 64, 64, torch.bfloat16), 4, 128, True, ablate=ablate)
-    elif mma16:
-        from quantmla.kernels import mma_decode
-
-        k, consts, warps = mma_decode._h16_decode_kernel, dict(SINK=4, RECENT=128, SPLIT=True, ABL=0), mma_decode.WARPS
+        consts = exact_decode.constexprs(PageFormat(bits, 4, 512, 64, 64, torch.bfloat16), 4, 128, True)
     else:
         k, consts, warps = gluon_decode._h64_decode_kernel, dict(SINK=4, RECENT=128, SPLIT=True, C_BITS=bits), 8
-    descs = exact_decode.descriptor_blocks(bits, ablate in (9, 10)) if exact else {}
+    descs = exact_decode.descriptor_blocks(bits) if exact else {}
     sig, attrs = {}, {}
     for i, n in enumerate(k.arg_names):
         if n in consts:
@@ -88,10 +80,10 @@ def compile_triton_sass(bits: int, sink_in_tile0: bool) -> tuple[str, str, int]:
     """(SASS text, resource line, shared bytes) of the Triton decode kernel
     (:mod:`quantmla.kernels.triton_decode`) with its 16-head tiles, for ``bits``-bit content codes
     and 4-bit RoPE codes in a BF16 cache, the sink in page tile 0 or among the protected tiles."""
-    from quantmla.kernels import PagedLayer, PageFormat, triton_decode
+    from quantmla.kernels import PagedLayer, PageFormat, dispatch, triton_decode
 
     layer = PagedLayer(PageFormat(bits, 4), 1, "cpu", batch=1, sink=4, recent=128)
-    cfg = dict(triton_decode.TILES[(False, True)], block_h=16)
+    cfg = dict(dispatch.TILES[(False, True)], block_h=16)
     consts = triton_decode.constexprs(layer, cfg, True, sink_in_tile0) | dict(INTERP=False)
     return _sass(_compile_triton(triton_decode._decode_kernel, layer, consts, POINTERS, cfg))
 
@@ -176,11 +168,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bits", type=int, choices=(2, 4), nargs="*", default=[4, 2])
     ap.add_argument("--keep", help="also write the SASS here (one width only)")
-    ap.add_argument("--mma16", action="store_true", help="the 16-head register-fed kernel instead (C4R4)")
     ap.add_argument("--triton", action="store_true", help="the Triton kernel at 16 heads instead")
     ap.add_argument("--exact", action="store_true", help="the 16-head exact-dequantization kernel instead")
     ap.add_argument("--prefill", action="store_true", help="the teacher-forced kernel instead, rounded and exact")
-    ap.add_argument("--ablate", type=int, default=0, help="with --exact: the kernel's timing-only variant")
     args = ap.parse_args()
     print(f"triton {triton.__version__}, sm_90")
     if args.prefill:
@@ -200,11 +190,11 @@ def main() -> None:
                 kinds = ", ".join(f"{n} {o}" for o, n in sorted(Counter(ops).items()))
                 print(f"triton C{bits}R4 sink_in_tile0={swap}: {res} shared={shared} B, {len(ops)} HMMA ({kinds})")
         return
-    for bits in [4] if args.mma16 else args.bits:
-        sass, res, shared = compile_sass(bits, args.mma16, args.exact, args.ablate)
+    for bits in args.bits:
+        sass, res, shared = compile_sass(bits, args.exact)
         if args.keep:
             Path(args.keep).write_text(sass)
-        print(f"{'mma16 ' if args.mma16 else 'exact ' if args.exact else ''}C{bits}R4: {res} shared={shared} B")
+        print(f"{'exact ' if args.exact else ''}C{bits}R4: {res} shared={shared} B")
         for i, loop in enumerate(loops(sass)):
             print(f"  loop {i}: {loop['instructions']} instructions, {loop['hgmma']} HGMMA, {loop['hmma']} HMMA, "
                   f"{loop['bssy']} BSSY, {loop['local']} local, {loop['tma']} TMA ({loop['tma_bars']} barriers between), "

@@ -42,7 +42,8 @@ from decode import FORMATS as BITS_OF  # noqa: E402
 
 from analysis.paper_numbers import TABLE9, context_label  # noqa: E402
 from quantmla import kernels  # noqa: E402
-from quantmla.kernels import PageFormat, triton_decode  # noqa: E402
+from quantmla.kernels import PageFormat, dispatch  # noqa: E402
+from quantmla.kernels.splits import Case  # noqa: E402
 
 H = 16
 FORMATS = ("c16r16", "c4r4")
@@ -60,11 +61,11 @@ def graph(sh: Shape, name: str, pv: dict) -> tuple[torch.cuda.CUDAGraph, tuple]:
     kernels.decode(layer, table, sh.lengths, sh.q, sh.qp, TAU, "triton", pv)  # validated once; compiles
     out = (torch.empty(sh.B, H, D_C, device=sh.q.device), torch.empty(sh.B, H, device=sh.q.device))
     cfg = dict(pv, max_len=sh.L)
-    triton_decode.decode(layer, table, sh.lengths, sh.q, sh.qp, TAU, cfg, out)
+    dispatch.decode(layer, table, sh.lengths, sh.q, sh.qp, TAU, cfg, out)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        triton_decode.decode(layer, table, sh.lengths, sh.q, sh.qp, TAU, cfg, out)
+        dispatch.decode(layer, table, sh.lengths, sh.q, sh.qp, TAU, cfg, out)
     return g, out
 
 
@@ -96,10 +97,10 @@ def measure(B: int, N: int, runs: int, per_round: int, l2: int, flush: torch.Ten
                 raise RuntimeError(f"decode wrote non-finite values for {name} at B={B} N={N}")
             if run == 0:
                 layer = sh.layers[name]
-                full = triton_decode.default_config(B, H, N, layer, layer.pool.device, pv)
-                p = triton_decode.plan(layer, H, full, layer.pool.device, N)
-                row[f"{name}_plan"] = {"kernel": p.kernel, "splits": p.splits, "tiles_per_split": p.per,
-                                       "sink_in_tile0": p.sink_in_tile0}  # fmt: skip
+                full = dispatch.default_config(B, H, N, layer, layer.pool.device, pv)
+                p = dispatch.plan(Case(layer, H, N, layer.pool.device, False, full))
+                row[f"{name}_plan"] = {"kernel": p.name, "splits": p.split.splits, "tiles_per_split": p.split.per,
+                                       "sink_in_tile0": p.split.sink_in_tile0}  # fmt: skip
         for rnd in range(2):
             for name in FORMATS if rnd == 0 else FORMATS[::-1]:
                 times[name] += samples(graphs[name][0], flush, per_round)

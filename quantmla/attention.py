@@ -26,7 +26,7 @@ from torch import nn
 
 from quantmla import kernels
 from quantmla.cache import CacheSpec
-from quantmla.mla import MLA, adapter_class
+from quantmla.mla import MLA, Adapted, adapter_class
 from quantmla.paged_cache import LatentCache
 
 _COPIED = (
@@ -45,7 +45,7 @@ _COPIED = (
 )
 
 
-class LatentAttention(nn.Module):
+class LatentAttention(Adapted):
     def __init__(self, attn: nn.Module, spec: CacheSpec):
         super().__init__()
         klass = adapter_class(attn)

@@ -269,21 +269,25 @@ def _import_families() -> None:
 _import_families()
 
 
+class Adapted(nn.Module):
+    """An attention module that carries its own adapter as ``.mla``: the harness's
+    :class:`~quantmla.attention.LatentAttention`, which replaces a native module and serves its
+    adapter to the methods."""
+
+    mla: MLA
+
+
 def find_mla(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Every MLA attention module of ``model`` (name, module), in model order."""
-    from quantmla.attention import LatentAttention
-
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, LatentAttention) or adapter_class(m)]
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, Adapted) or adapter_class(m)]
 
 
 def adapters(model: nn.Module) -> list[MLA]:
     """One adapter per MLA attention module of ``model``; a clear error if there is none."""
-    from quantmla.attention import LatentAttention
-
     found = find_mla(model)
     if not found:
         raise ValueError(
             f"{type(model).__name__} has no MLA attention this harness knows "
             f"(supported: {', '.join(supported_classes())})"
         )
-    return [m.mla if isinstance(m, LatentAttention) else adapter_class(m)(m) for _, m in found]
+    return [m.mla if isinstance(m, Adapted) else adapter_class(m)(m) for _, m in found]

@@ -12,8 +12,8 @@ writer and attends with the core:
 - several new tokens after a prefix are processed one at a time (write, decode), which is
   what the protection rule means for them.
 
-With ``spec.exact`` on a quantized spec both steps read the stored rows unrounded (prefill and
-decode config ``exact``; the decode then runs on :mod:`quantmla.kernels.exact_decode`).
+With ``spec.exact`` on a quantized spec both steps read the stored rows unrounded (prefill config
+``exact``, decode argument ``exact``; the decode then runs on :mod:`quantmla.kernels.exact_decode`).
 
 Padding columns (from the attention mask) are not stored: a request's pages hold its own
 tokens, so token indices for protection count only real tokens. Beam search and cache
@@ -179,7 +179,7 @@ class LatentCache(Cache):
             # Token by token; the cache built the block table and knows every length on the host,
             # so the core's device-reading checks are skipped and the longest length is passed in.
             dense = all(c == n for c in counts)  # no padding among the new tokens (every decode step)
-            config = {"max_len": max(after, default=0)} | ({"exact": True} if spec.exact_rows else {})
+            config, exact = {"max_len": max(after, default=0)}, spec.exact_rows
             outs = []
             for i in range(n):
                 if dense:
@@ -193,7 +193,7 @@ class LatentCache(Cache):
                 kernels.write(paged, bt, C_i, K_i, rows, pos, lens, backend, validate=False)
                 layer.lengths_dev = lens
                 o_i, _ = kernels.decode(
-                    paged, bt, lens, q_lat[:, :, i], q_pe[:, :, i], tau, backend, config=config, validate=False
+                    paged, bt, lens, q_lat[:, :, i], q_pe[:, :, i], tau, backend, config, validate=False, exact=exact
                 )
                 outs.append(o_i if dense else o_i * v[:, None, None])
             o = outs[0].unsqueeze(2) if n == 1 else torch.stack(outs, 2)

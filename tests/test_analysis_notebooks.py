@@ -10,6 +10,8 @@ from statistics import median
 import matplotlib
 import pytest
 
+pytestmark = pytest.mark.slow  # minutes on two cores: the full suite only (scripts/test --fast skips it)
+
 NOTEBOOK_DIR = Path(__file__).resolve().parents[1] / "analysis" / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 

@@ -93,6 +93,7 @@ def test_table9_transcription_agrees_with_its_own_deltas_and_the_papers_summary(
     assert (min(deltas), max(deltas)) == (-7.42, 4.29)
 
 
+@pytest.mark.slow
 def test_table9_benchmark_says_it_needs_a_gpu():
     """bench/table9.py (the paper's App. F.1 protocol) stops with one clear line on a machine without CUDA."""
     r = subprocess.run(
@@ -103,6 +104,7 @@ def test_table9_benchmark_says_it_needs_a_gpu():
     assert r.returncode == 1 and r.stderr.strip().endswith("bench/table9.py needs a CUDA GPU"), r.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_latency_table_and_figure_from_the_committed_table9_records(tmp_path):
     """``python -m analysis latency`` on the H200 records in bench/results: one row per (batch, N),
     each record's Δ equal to its own mean latencies' ratio, the paper's numbers beside, a figure;

@@ -12,6 +12,7 @@ from quantmla.mla import adapters
 from quantmla.models.tiny import FAMILIES, build, family_config
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("q_lora_rank", [None, 96])
 def test_unquantized_harness_reproduces_native_logits(family, q_lora_rank):
@@ -34,6 +35,7 @@ def test_state_dict_keys_unchanged(tiny):
     assert list(model.state_dict()) == keys
 
 
+@pytest.mark.slow
 def test_quantization_changes_logits_more_at_fewer_bits(tiny):
     model, _ = tiny
     ids = torch.randint(3, 259, (1, 300))
@@ -54,6 +56,7 @@ def _decode_logits(model, ids, prefill):
     return torch.cat(outs, 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", ["c4r4", "c2r4", "c3r8"])
 @pytest.mark.parametrize("prefill", [1, 23])
 def test_token_by_token_decode_matches_teacher_forced(tiny, bits, prefill):
@@ -184,6 +187,7 @@ def test_a_decode_step_reads_the_device_once_whatever_the_depth():
     assert len(two) == len(four) <= 3, (two, four)
 
 
+@pytest.mark.slow
 def test_a_reset_cache_decodes_like_a_fresh_one(tiny):
     model, _ = tiny
     install(model, CacheSpec.parse("c4r4", sink=4, recent=8))

@@ -31,6 +31,7 @@ def _apply(model, tok, cfg, bits="c4r4", calibration=None):
     return m, m.apply(model, mla.adapters(model), ctx)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("config", BASELINES, ids=lambda c: c.name)
 def test_fused_logits_equal_the_original_with_quantization_off(family, config):
@@ -88,6 +89,7 @@ def outlier_errors():
     return base, held, out
 
 
+@pytest.mark.slow
 def test_planted_outliers_are_outliers(outlier_errors):
     base, held, _ = outlier_errors
     layer = base.model.layers[0].self_attn
@@ -99,6 +101,7 @@ def test_planted_outliers_are_outliers(outlier_errors):
     assert (k_mag[list(ROPE_OUTLIER_ROWS)].min() / k_mag.median()) > 4  # one loud RoPE pair
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", ["c4r4", "c2r4"])
 @pytest.mark.parametrize("name", ["smoothquant", "quarot"])
 def test_baselines_beat_rtn_on_planted_outliers(outlier_errors, bits, name):
@@ -130,6 +133,7 @@ def test_baselines_beat_rtn_on_planted_outliers(outlier_errors, bits, name):
         assert e["output"] <= 0.95 * rtn["output"]
 
 
+@pytest.mark.slow
 def test_smoothquant_records_its_alpha_choice():
     model, tok, _ = planted_outliers()
     m, state = _apply(
@@ -162,6 +166,7 @@ def test_hadamard_size_must_divide_the_dimension():
         methods.get(QuaRotConfig(rope_block=128)).check_dims(128, 64)
 
 
+@pytest.mark.slow
 def test_undeterminable_rope_pairing_stops_before_calibration(tmp_path):
     model, tok, layers = installed("v3")
     layers[1].mla.rope_style = "complex"  # this layer's adapter now claims the wrong post-RoPE pairs
@@ -194,6 +199,7 @@ def test_calibration_data_errors(tmp_path):
     assert "at least 1" in _plan_error("calibration.train=0")
 
 
+@pytest.mark.slow
 def test_calibration_banks_are_disjoint_seeded_windows():
     from quantmla.models.tiny import byte_tokenizer
 

@@ -7,11 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from quantmla.tracking import read_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_multirun_of_the_baselines_records_six_runs_and_prints_the_table(tmp_path):
     cmd = [
         sys.executable,

@@ -100,6 +100,7 @@ def _random_transform(d, g, online=False):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("online", [False, True])
 def test_fusing_random_transforms_keeps_the_logits(family, online):

@@ -114,6 +114,7 @@ def test_weights_of_another_model_under_an_mla_config_are_refused(tmp_path):
     assert "is not a readable safetensors file" in _error("model=local", f"model.path={d}")
 
 
+@pytest.mark.slow
 def test_one_computation_one_run_id():
     """CxRy in either case, an int for a float: the same computation, the same run (and record)."""
     a = _plan("bits.name=C4R4").run_record().id
@@ -128,6 +129,7 @@ def test_one_computation_one_run_id():
     assert _plan("seed=1").run_record().id != _plan("seed=0").run_record().id
 
 
+@pytest.mark.slow
 def test_shipped_configs_keep_their_run_ids():
     """The checks normalise nothing a shipped config already spells one way: records made before
     them are found (and skipped) by the same ids."""

@@ -48,6 +48,7 @@ def test_installed_scripts_match_where_this_checkout_is_installed():
     assert installed == SCRIPTS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name,args,rc,expect",
     [

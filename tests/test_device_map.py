@@ -26,6 +26,8 @@ from quantmla.sensitivity import LayerProbe, frozen_copy
 from quantmla.tracking import run_id
 from quantmla.transforms import LayerTransform, cayley, fuse, hadamard
 
+pytestmark = pytest.mark.slow  # minutes on two cores: the full suite only (scripts/test --fast skips it)
+
 CONFIG = tiny_config(layers=4)  # 2.3 MiB per decoder layer in float32
 BUDGET = {"cpu": "5MiB"}  # the embedding and two layers in memory, the other two on disk
 

@@ -45,6 +45,7 @@ def test_registered_name():
     assert get_model("quantmla") is QuantMLALM
 
 
+@pytest.mark.slow
 def test_loglikelihood_matches_plain_hflm_at_bf16_and_moves_at_c2r4():
     model, tok = build()
     plain = torch.tensor(_ll(HFLM(pretrained=model, tokenizer=tok, batch_size=2)), dtype=torch.float64)
@@ -65,6 +66,7 @@ def test_loglikelihood_matches_plain_hflm_at_bf16_and_moves_at_c2r4():
     assert (c2r4[2:] - bf16[2:]).abs().min() > 1e-3
 
 
+@pytest.mark.slow
 def test_generation_uses_the_harness_cache_and_matches_stepwise_decoding():
     """Greedy generation through the cache seam equals re-running the whole sequence at every
     step (decode-faithful protection makes both see the same BF16/quantized keys), at C4R4."""

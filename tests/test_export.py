@@ -21,6 +21,8 @@ from quantmla.export import RECORD, export
 from quantmla.run import ConfigError, conf_dir
 from quantmla.tracking import run_id
 
+pytestmark = pytest.mark.slow  # minutes on two cores: the full suite only (scripts/test --fast skips it)
+
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = "The quick brown fox jumps over the lazy dog. Attention caches a latent per token, and a key."
 # short calibration; large learning rates and the last step kept, so the transforms end far from identity

@@ -33,6 +33,8 @@ from fault_tools import Launch, broken_checkpoint, context, cpu_seconds, hammer
 
 from quantmla.tracking import scan_runs
 
+pytestmark = pytest.mark.slow  # minutes on two cores: the full suite only (scripts/test --fast skips it)
+
 FAULTS: Counter = Counter()
 CHECKED: Counter = Counter()
 SEED = int(os.environ.get("FAULT_SEED", time.time_ns() % 100_000))

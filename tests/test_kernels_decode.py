@@ -39,6 +39,7 @@ def _poisoned(B, H, d_c=512):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=lambda v: str(v))
 def test_decode_kernel_matches_reference(case):
     cb, rb, H, lengths, d_c = case if len(case) == 5 else (*case, 512)
@@ -61,6 +62,7 @@ def test_decode_kernel_matches_reference(case):
         assert rel(lse, lse_ref) < TOL and same_inf(lse, lse_ref)
 
 
+@pytest.mark.slow
 def test_decode_splits_count_the_protected_rows_as_work_tiles():
     """Work is the page tiles up to the recent window plus the protected tiles (sink and ring, 132
     rows: 3 tiles of 64), cut into equal shares; a request's work tiles past its page tiles are its
@@ -71,31 +73,33 @@ def test_decode_splits_count_the_protected_rows_as_work_tiles():
     take 17 splits of one tile, as BF16 takes 16; at batch 32 and 8K the Triton kernel takes the sink
     into page tile 0 and splits 128 work tiles, as BF16 does. Every split count gives the
     reference's output."""
-    from quantmla.kernels import triton_decode
-    from quantmla.kernels.triton_decode import split_work
+    from quantmla.kernels import dispatch
+    from quantmla.kernels.splits import Case, split_work
 
     c4r4 = PagedLayer(PageFormat(4, 4), 1, "cpu", batch=1, sink=4, recent=128)
     bf16 = PagedLayer(PageFormat(16, 16), 1, "cpu", batch=1, sink=4, recent=128)
-    assert split_work(c4r4, 300, 64, 8) == (6, 1)
-    assert split_work(c4r4, 300, 64, 8, sink_in_tile0=True) == (5, 1)  # the Gluon kernel's count
-    assert split_work(c4r4, 8192, 64, 2) == (2, 65)  # 126 page tiles + 3 protected
-    assert split_work(c4r4, 8192, 64, 2, sink_in_tile0=True) == (2, 64)  # 126 + 2: BF16's 128 tiles
-    assert split_work(bf16, 8192, 64, 2) == (2, 64) and bf16.prot is None
+    assert split_work(c4r4, 300, 64, 8) == (6, 1, False)
+    assert split_work(c4r4, 300, 64, 8, sink_in_tile0=True) == (5, 1, True)  # the Gluon kernel's count
+    assert split_work(c4r4, 8192, 64, 2) == (2, 65, False)  # 126 page tiles + 3 protected
+    assert split_work(c4r4, 8192, 64, 2, sink_in_tile0=True) == (2, 64, True)  # 126 + 2: BF16's 128 tiles
+    assert split_work(bf16, 8192, 64, 2) == (2, 64, False) and bf16.prot is None
     # the split search on an H200's 132 SMs (the compiled path's, which the interpreter skips)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(triton_decode, "INTERPRET", False)
-        triton_decode._config.cache_clear()
+        mp.setattr(dispatch, "INTERPRET", False)
+        dispatch._config.cache_clear()
         try:
             dev = torch.device("cpu")
             for layer, tiles in ((c4r4, 17), (bf16, 16)):
-                cfg = triton_decode.default_config(8, 16, 1024, layer, dev)
-                assert cfg["num_splits"] == tiles and split_work(layer, 1024, 64, tiles) == (tiles, 1)
-                assert triton_decode.plan(layer, 16, cfg, dev, 1024) == ("triton", tiles, 1, False)
+                cfg = dispatch.default_config(8, 16, 1024, layer, dev)
+                assert cfg["num_splits"] == tiles and split_work(layer, 1024, 64, tiles)[:2] == (tiles, 1)
+                p = dispatch.plan(Case(layer, 16, 1024, dev, False, cfg))
+                assert p.name == "triton" and p.split == (tiles, 1, False)
             # at batch 32 shares are longer than a tile: the sink rides in page tile 0, 126 + 2 tiles
-            cfg = triton_decode.default_config(32, 16, 8192, c4r4, dev)
-            assert cfg["num_splits"] == 8 and triton_decode.plan(c4r4, 16, cfg, dev, 8192) == ("triton", 8, 16, True)
+            cfg = dispatch.default_config(32, 16, 8192, c4r4, dev)
+            p = dispatch.plan(Case(c4r4, 16, 8192, dev, False, cfg))
+            assert cfg["num_splits"] == 8 and p.name == "triton" and p.split == (8, 16, True)
         finally:
-            triton_decode._config.cache_clear()
+            dispatch._config.cache_clear()
     gen = torch.Generator().manual_seed(5)
     layer, bt, lens, _, _ = filled_layer(PageFormat(4, 4), [300, 90], gen)
     q, qp = _queries(2, 16, gen)
@@ -115,7 +119,7 @@ def test_exact_kernel_splits_weigh_the_protected_tiles(sink, recent):
     (a protected tile counting min(weight, per)), at most the splits asked for run, and a protected
     tile never shares a split with another one when it weighs a split or more. Weight 1 cuts the
     request into the same splits as split_work (page and protected tiles alike)."""
-    from quantmla.kernels.triton_decode import front_ranges, front_split_work, split_work
+    from quantmla.kernels.splits import front_ranges, front_split_work, split_work
 
     layer = PagedLayer(PageFormat(4, 4), 1, "cpu", batch=1, sink=sink, recent=recent)
     k = -(-(sink + recent) // 64)
@@ -123,10 +127,10 @@ def test_exact_kernel_splits_weigh_the_protected_tiles(sink, recent):
         n_max = -(-min(max(max_len - recent, sink), max_len) // 64)
         for ns in (1, 2, 3, 8, 40, 264):
             for w in (1, 2, 5, 20):
-                splits, per = front_split_work(layer, max_len, ns, w)
+                splits, per, _ = front_split_work(layer, max_len, ns, w)
                 assert 1 <= splits <= ns
                 if w == 1:
-                    assert (splits, per) == split_work(layer, max_len, 64, ns)
+                    assert (splits, per) == split_work(layer, max_len, 64, ns)[:2]
                 for n in {0, min(1, n_max), n_max // 2, n_max}:
                     pages, prot = [], []
                     for s in range(splits):
@@ -138,6 +142,7 @@ def test_exact_kernel_splits_weigh_the_protected_tiles(sink, recent):
                     assert sorted(pages) == list(range(n)) and sorted(prot) == list(range(k)), (max_len, ns, w, n)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sink, block_n", [(4, 16), (16, 16), (17, 16), (0, 32), (40, 32)], ids=str)
 def test_decode_sink_in_page_tile_zero_or_among_the_protected_tiles(sink, block_n):
     """Sink rows that fit in one tile ride in page tile 0, swapped in from the protection buffer; a
@@ -145,7 +150,9 @@ def test_decode_sink_in_page_tile_zero_or_among_the_protected_tiles(sink, block_
     to the pages (reading a page's sink row instead moves the output), ragged requests, some
     shorter than the sink or than the recent window, and 1 to 64 splits: the reference's
     output either way, every output written."""
-    from quantmla.kernels.triton_decode import default_config, plan, split_work, swaps_sink
+    from quantmla.kernels.dispatch import default_config, plan
+    from quantmla.kernels.splits import Case, split_work
+    from quantmla.kernels.triton_decode import swaps_sink
 
     assert swaps_sink(sink, block_n) == (0 < sink <= block_n)
     gen = torch.Generator().manual_seed(31 + sink + block_n)
@@ -157,38 +164,30 @@ def test_decode_sink_in_page_tile_zero_or_among_the_protected_tiles(sink, block_
     for splits in (1, 3, 7, 64):  # the sink in page tile 0 where it fits, except with one tile per split
         out = _poisoned(len(lengths), 16)
         cfg = dict(block_n=block_n, num_splits=splits)
-        p = plan(layer, 16, default_config(len(lengths), 16, 300, layer, q.device, cfg), q.device, 300)
-        three = split_work(layer, 300, block_n, splits)[1]  # tiles per split with the sink a protected tile
-        assert p.sink_in_tile0 == (swaps_sink(sink, block_n) and three > 1), (splits, p)
+        p = plan(Case(layer, 16, 300, q.device, False, default_config(len(lengths), 16, 300, layer, q.device, cfg)))
+        three = split_work(layer, 300, block_n, splits).per  # tiles per split with the sink a protected tile
+        assert p.split.sink_in_tile0 == (swaps_sink(sink, block_n) and three > 1), (splits, p)
         o, lse = kernels.decode(layer, bt, lens, q, qp, 576**-0.5, "triton", cfg, out=out)
         assert not torch.isnan(o).any() and not torch.isnan(lse).any()
         assert rel(o, o_ref) < TOL and rel(lse, lse_ref) < TOL and same_inf(lse, lse_ref), splits
 
 
-MMA16 = dict(pv_split=False, mma16_min_tiles=1)  # the 16-head register-fed kernel, at any split length
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize(
-    "cb, H, lengths, extra",
+    "cb, H, lengths",
     [
-        (4, 16, [300, 70, 3, 200], {}),
-        (2, 16, [133, 260], {}),
-        pytest.param(
-            4, 128, [4000, 300, 70, 3], {}, marks=pytest.mark.skipif(DEVICE.type == "cpu", reason="GPU: Gluon")
-        ),
-        pytest.param(2, 128, [2500, 133], {}, marks=pytest.mark.skipif(DEVICE.type == "cpu", reason="GPU: Gluon")),
-        pytest.param(
-            4, 16, [300, 70, 3, 200], MMA16, marks=pytest.mark.skipif(DEVICE.type == "cpu", reason="GPU: Gluon")
-        ),
+        (4, 16, [300, 70, 3, 200]),
+        (2, 16, [133, 260]),
+        pytest.param(4, 128, [4000, 300, 70, 3], marks=pytest.mark.skipif(DEVICE.type == "cpu", reason="GPU: Gluon")),
+        pytest.param(2, 128, [2500, 133], marks=pytest.mark.skipif(DEVICE.type == "cpu", reason="GPU: Gluon")),
     ],
     ids=str,
 )
-def test_decode_reads_protected_rows_from_the_protection_buffer(cb, H, lengths, extra):
+def test_decode_reads_protected_rows_from_the_protection_buffer(cb, H, lengths):
     """The sink and the recent ring are attended to from the BF16 protection buffer, never from the
     pages: with those rows replaced by unrelated values (so that reading a page instead moves the
     output by O(1)), the kernel still matches the reference, one split and several. Above 16 heads
-    on a Hopper GPU this is the Gluon kernel, whose sink rows ride in page tile 0; with ``MMA16``
-    at 16 heads, the register-fed one (P in BF16, hence its 1e-2)."""
+    on a Hopper GPU this is the Gluon kernel, whose sink rows ride in page tile 0."""
     gen = torch.Generator().manual_seed(11 + cb + H)
     layer, bt, lens, _, _ = filled_layer(PageFormat(cb, 4), lengths, gen)
     q, qp = _queries(len(lengths), H, gen)
@@ -196,14 +195,15 @@ def test_decode_reads_protected_rows_from_the_protection_buffer(cb, H, lengths, 
     layer.prot.copy_((torch.randn(layer.prot.shape, generator=gen) * 3 - 1).to(layer.prot.device, layer.prot.dtype))
     o_ref, lse_ref = ref.decode(layer, bt, lens, q, qp, 576**-0.5)
     assert all(rel(o_pages[b], o_ref[b]) > 0.1 for b in range(len(lengths)))  # they weigh in every request
-    tol = 1e-2 if H > 16 or extra else TOL  # P as one BF16 tile above 16 heads
-    for cfg in (dict(num_splits=1, **extra), dict(num_splits=3, **extra)):
+    tol = 1e-2 if H > 16 else TOL  # P as one BF16 tile above 16 heads
+    for cfg in (dict(num_splits=1), dict(num_splits=3)):
         out = _poisoned(len(lengths), H)
         o, lse = kernels.decode(layer, bt, lens, q, qp, 576**-0.5, "triton", cfg, out=out)
         assert not torch.isnan(o).any() and not torch.isnan(lse).any()
         assert rel(o, o_ref) < tol and rel(lse, lse_ref) < TOL and same_inf(lse, lse_ref), cfg
 
 
+@pytest.mark.slow
 def test_decode_of_an_empty_request():
     gen = torch.Generator().manual_seed(0)
     layer, bt, lens, _, _ = filled_layer(PageFormat(4, 4), [40, 0], gen)
@@ -214,7 +214,7 @@ def test_decode_of_an_empty_request():
 
 @pytest.mark.parametrize("splits", [3, 700])  # 700: more splits than one block of the merge holds
 def test_merge_of_splits_is_their_lse_weighted_mean(splits):
-    from quantmla.kernels import triton_decode
+    from quantmla.kernels.splits import merge
 
     gen = torch.Generator().manual_seed(splits)
     B, H, d_c = 2, 3, 96
@@ -224,7 +224,7 @@ def test_merge_of_splits_is_their_lse_weighted_mean(splits):
     lsep[0, 0, -1] = 60.0  # one split far above the others (the running maximum moves late)
     lsep[1, 2] = float("-inf")  # a row with no token at all
     o, lse = _poisoned(B, H, d_c)
-    triton_decode.merge(op, lsep, o, lse)
+    merge(op, lsep, o, lse)
     lp = lsep.double().cpu()
     want_lse = torch.logsumexp(lp, dim=-1)
     w = torch.exp(lp - torch.where(torch.isinf(want_lse), 0.0, want_lse)[..., None])
@@ -235,6 +235,7 @@ def test_merge_of_splits_is_their_lse_weighted_mean(splits):
     assert rel(o.cpu().double()[ok], want_o[ok]) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cb", [16, 4, 2])
 def test_decode_with_p_as_one_bf16_tile(cb):
     """``pv_split=False`` (P·V with P rounded to BF16 once, FlashMLA's precision) on 64-head tiles:
@@ -303,7 +304,7 @@ def test_bad_decode_inputs_raise_before_launch():
 def test_split_count_assumes_the_programs_a_register_cap_lets_an_sm_hold():
     """65,536 registers per SM: a cap of 168 per thread fits three 4-warp programs, 128 four;
     without one the compiler takes 255 (two 4-warp programs, one of 8 warps)."""
-    from quantmla.kernels.triton_decode import programs_per_sm
+    from quantmla.kernels.splits import programs_per_sm
 
     assert programs_per_sm(dict(num_warps=4, maxnreg=168)) == 3
     assert programs_per_sm(dict(num_warps=4, maxnreg=128)) == 4
@@ -311,6 +312,7 @@ def test_split_count_assumes_the_programs_a_register_cap_lets_an_sm_hold():
     assert programs_per_sm(dict(num_warps=4)) == 2 and programs_per_sm(dict(num_warps=8)) == 1
 
 
+@pytest.mark.slow
 def test_a_register_cap_is_a_known_decode_config_key():
     gen = torch.Generator().manual_seed(3)
     layer, bt, lens, _, _ = filled_layer(PageFormat(4, 4), [70], gen)
@@ -344,35 +346,25 @@ def _hopper() -> bool:
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernels need a Hopper GPU (Gluon has no interpreter)")
 @pytest.mark.parametrize(
-    "cb, H, splits, extra, kernel",
-    [
-        (4, 128, None, {}, "gluon"),
-        (4, 128, 1, {}, "gluon"),
-        (4, 100, 3, {}, "gluon"),
-        (2, 128, None, {}, "gluon"),
-        (2, 100, 3, {}, "gluon"),
-        (4, 16, None, MMA16, "mma16"),
-        (4, 16, 1, MMA16, "mma16"),
-        (4, 16, 3, MMA16, "mma16"),
-        (4, 9, 2, MMA16, "mma16"),
-    ],
+    "cb, H, splits",
+    [(4, 128, None), (4, 128, 1), (4, 100, 3), (2, 128, None), (2, 100, 3)],
     ids=str,
 )
-def test_gluon_decode_matches_reference(cb, H, splits, extra, kernel):
-    """C4R4 and C2R4 above 16 heads run the 64-head Gluon kernel by default; C4R4 at up to 16 heads
-    with P as one BF16 tile the register-fed one (here at any split length). Ragged requests
+def test_gluon_decode_matches_reference(cb, H, splits):
+    """C4R4 and C2R4 above 16 heads run the 64-head Gluon kernel by default. Ragged requests
     (shorter than the protected rows, not page multiples, empty), one to three or the default
     number of splits; every output written, within P's BF16 rounding of the float32 reference,
     LSE to 1e-3."""
-    from quantmla.kernels.triton_decode import default_config, plan
+    from quantmla.kernels.dispatch import default_config, plan
+    from quantmla.kernels.splits import Case
 
     gen = torch.Generator().manual_seed(H + 7 * cb)
     lengths = [4000, 300, 70, 1, 0]
     layer, bt, lens, _, _ = filled_layer(PageFormat(cb, 4), lengths, gen)
     q, qp = _queries(len(lengths), H, gen)
-    cfg = dict(extra) if splits is None else dict(extra, num_splits=splits)
+    cfg = {} if splits is None else dict(num_splits=splits)
     full = default_config(len(lengths), H, 4000, layer, q.device, cfg)
-    assert plan(layer, H, full, q.device, 4000)[0] == kernel
+    assert plan(Case(layer, H, 4000, q.device, False, full)).name == "gluon"
     o_ref, lse_ref = ref.decode(layer, bt, lens, q, qp, 576**-0.5)
     out = _poisoned(len(lengths), H)
     o, lse = kernels.decode(layer, bt, lens, q, qp, 576**-0.5, "triton", cfg, out=out)
@@ -380,12 +372,15 @@ def test_gluon_decode_matches_reference(cb, H, splits, extra, kernel):
     assert rel(o, o_ref) < 1e-2 and rel(lse, lse_ref) < TOL and same_inf(lse, lse_ref)
 
 
-def test_gluon_kernel_applies_only_where_it_was_written_for():
+def test_gluon_kernel_takes_only_the_cases_it_was_written_for():
     """The Gluon path takes C4R4 and C2R4 in BF16 with protection, above 16 heads, P as one BF16
-    tile, 64-token tiles and at least GLUON_MIN_TILES tiles per split on a Hopper GPU; anything
+    tile, 64-token tiles and at least MIN_TILES tiles per split on a Hopper GPU; for anything
     else (the interpreter, C4R8, a sink longer than page tile 0, 16 heads, the hi/lo P, other tiles,
-    ``gluon=False``, short splits) runs the Triton kernel."""
-    from quantmla.kernels.triton_decode import GLUON_MIN_TILES, default_config, uses_gluon
+    ``gluon=False``, short splits, the exact decode) it says why not, and the Triton kernel runs
+    (at 16 heads, by default, at any length)."""
+    from quantmla.kernels import gluon_decode
+    from quantmla.kernels.dispatch import default_config, plan
+    from quantmla.kernels.splits import Case
 
     gen = torch.Generator().manual_seed(8)
     layer, _, _, _, _ = filled_layer(PageFormat(4, 4), [70], gen)
@@ -393,41 +388,25 @@ def test_gluon_kernel_applies_only_where_it_was_written_for():
     c4r8, _, _, _, _ = filled_layer(PageFormat(4, 8), [70], gen)
     long_sink, _, _, _, _ = filled_layer(PageFormat(4, 4), [70], gen, sink=65)  # more than page tile 0 holds
     dev = torch.device(DEVICE)
-    cfg = default_config(1, 128, 70, layer, dev, {})
-    assert not uses_gluon(long_sink, 128, cfg, dev, 8)
-    assert uses_gluon(layer, 128, cfg, dev, GLUON_MIN_TILES) == _hopper()
-    assert not uses_gluon(layer, 128, cfg, dev, GLUON_MIN_TILES - 1)
-    assert uses_gluon(c2, 128, cfg, dev, 8) == _hopper()
-    assert not uses_gluon(c4r8, 128, cfg, dev, 8)
-    assert not uses_gluon(layer, 16, default_config(1, 16, 70, layer, dev, {}), dev, 8)
+    # one split: 256 tokens are 2 page tiles + the ring's 2 (MIN_TILES), 192 one fewer
+    cfg = default_config(1, 128, 256, layer, dev, dict(num_splits=1, pv_split=False, block_n=64, gluon=True))
+
+    def takes(lay, H=128, max_len=256, exact=False, **override):
+        why = gluon_decode.supports(Case(lay, H, max_len, dev, exact, dict(cfg, **override)))
+        assert why is None or (isinstance(why, str) and why), why
+        return why is None
+
+    assert gluon_decode.MIN_TILES == 4
+    assert takes(layer) == _hopper() and takes(c2) == _hopper()
+    assert not takes(layer, max_len=192)
+    assert not takes(long_sink) and not takes(c4r8) and not takes(layer, H=16)
+    assert not takes(layer, exact=True)
     for override in (dict(pv_split=True), dict(block_n=32), dict(gluon=False)):
-        assert not uses_gluon(layer, 128, default_config(1, 128, 70, layer, dev, override), dev, 8), override
-
-
-def test_mma16_kernel_applies_only_where_it_was_written_for():
-    """The register-fed path takes C4R4 in BF16 with protection, at most 16 heads, P as one BF16
-    tile, 64-token tiles and at least MMA16_MIN_TILES tiles per split on a Hopper GPU; anything else
-    (the interpreter, C2R4, 17 heads, the hi/lo P that is the 16-head default, other tiles,
-    ``mma16=False``, short splits) runs the Triton kernel."""
-    from quantmla.kernels.triton_decode import MMA16_MIN_TILES, default_config, plan, uses_mma16
-
-    gen = torch.Generator().manual_seed(9)
-    layer, _, _, _, _ = filled_layer(PageFormat(4, 4), [70], gen)
-    c2, _, _, _, _ = filled_layer(PageFormat(2, 4), [70], gen)
-    dev = torch.device(DEVICE)
-    cfg = default_config(1, 16, 70, layer, dev, dict(pv_split=False))
-    assert uses_mma16(layer, 16, cfg, dev, MMA16_MIN_TILES) == _hopper()
-    assert uses_mma16(layer, 9, cfg, dev, MMA16_MIN_TILES) == _hopper()
-    assert not uses_mma16(layer, 16, cfg, dev, MMA16_MIN_TILES - 1)
-    assert uses_mma16(layer, 16, dict(cfg, mma16_min_tiles=1), dev, 1) == _hopper()
-    assert not uses_mma16(c2, 16, cfg, dev, MMA16_MIN_TILES)
-    assert not uses_mma16(layer, 17, cfg, dev, MMA16_MIN_TILES)
-    assert not uses_mma16(layer, 16, default_config(1, 16, 70, layer, dev, {}), dev, MMA16_MIN_TILES)
-    for override in (dict(block_n=32), dict(mma16=False)):
-        assert not uses_mma16(layer, 16, dict(cfg, **override), dev, MMA16_MIN_TILES), override
-    # the default 16-head config (hi/lo P) plans the Triton kernel at any length
+        assert not takes(layer, **override), override
     full = default_config(1, 16, 1 << 20, layer, dev, {})
-    assert plan(layer, 16, full, dev, 1 << 20)[0] == "triton"
+    assert plan(Case(layer, 16, 1 << 20, dev, False, full)).name == "triton"
+    if not _hopper():  # the interpreter, or a GPU that is not sm_90
+        assert plan(Case(layer, 128, 256, dev, False, cfg)).name == "triton"
 
 
 @pytest.mark.parametrize("cb", [4, 2])
@@ -445,8 +424,10 @@ def test_reference_exact_decode_is_attention_over_the_unrounded_dequantized_cach
     tau = 0.07
     o, lse = ref.decode(layer, bt, lens, q, qp, tau, exact=True)
     o_paper, _ = ref.decode(layer, bt, lens, q, qp, tau)
-    o_cfg, _ = kernels.decode(layer, bt, lens, q, qp, tau, "reference", dict(exact=True))  # the config key too
-    assert torch.equal(o_cfg, o)
+    o_api, _ = kernels.decode(layer, bt, lens, q, qp, tau, "reference", exact=True)  # the core's argument
+    assert torch.equal(o_api, o)
+    with pytest.raises(ValueError, match=r"unknown decode config keys \['exact'\]"):  # what, not how: no tuning key
+        kernels.decode(layer, bt, lens, q, qp, tau, "reference", dict(exact=True))
     for b, L in enumerate(lengths):
         rows = []
         for x, bits, sd in ((C[b, :L].cpu(), cb, torch.bfloat16), (K[b, :L].cpu(), 4, torch.float32)):
@@ -476,8 +457,8 @@ def test_exact_decode_falls_back_to_the_exact_reference_where_its_kernel_does_no
     for layer, t, n, qq, qqp in cases:
         caplog.clear()
         with caplog.at_level("WARNING", logger="quantmla.kernels"):
-            o, lse = kernels.decode(layer, t, n, qq, qqp, 0.1, "triton", dict(exact=True))
-            kernels.decode(layer, t, n, qq, qqp, 0.1, "triton", dict(exact=True))
+            o, lse = kernels.decode(layer, t, n, qq, qqp, 0.1, "triton", exact=True)
+            kernels.decode(layer, t, n, qq, qqp, 0.1, "triton", exact=True)
         o_ref, lse_ref = ref.decode(layer, t, n, qq, qqp, 0.1, exact=True)
         assert torch.equal(o.cpu(), o_ref.cpu()) and torch.equal(lse.cpu(), lse_ref.cpu())
         o_round, _ = ref.decode(layer, t, n, qq, qqp, 0.1)
@@ -508,19 +489,21 @@ def test_exact_decode_matches_the_exact_reference(H, splits, weight, cb):
     one to forty or the default splits, protected tiles weighing 1 to 20 page tiles (at 20, each
     protected tile a split of its own); every output written; within P's FP16 rounding (1e-3; the
     BF16-rounded rows of the default kernels alone sit ~1e-3 away on such latents), LSE to 1e-5."""
-    from quantmla.kernels.triton_decode import default_config, plan
+    from quantmla.kernels.dispatch import default_config, plan
+    from quantmla.kernels.splits import Case
 
     gen = torch.Generator().manual_seed(31 + H + cb)
     lengths = [4000, 300, 70, 1, 0]
     layer, bt, lens, _, _ = filled_layer(PageFormat(cb, 4), lengths, gen)
     q, qp = _queries(len(lengths), H, gen)
-    cfg = dict(exact=True) | ({} if splits is None else dict(num_splits=splits))
+    cfg = {} if splits is None else dict(num_splits=splits)
     cfg |= {} if weight is None else dict(prot_weight=weight)
     full = default_config(len(lengths), H, 4000, layer, q.device, cfg)
-    assert plan(layer, H, full, q.device, 4000)[0] == "exact"
+    assert plan(Case(layer, H, 4000, q.device, True, full)).name == "exact"
+    assert plan(Case(layer, H, 4000, q.device, False, full)).name == "triton"  # the exact kernel computes only that
     o_ref, lse_ref = ref.decode(layer, bt, lens, q, qp, 576**-0.5, exact=True)
     out = _poisoned(len(lengths), H)
-    o, lse = kernels.decode(layer, bt, lens, q, qp, 576**-0.5, "triton", cfg, out=out)
+    o, lse = kernels.decode(layer, bt, lens, q, qp, 576**-0.5, "triton", cfg, out=out, exact=True)
     assert not torch.isnan(o).any() and not torch.isnan(lse).any()
     assert rel(o, o_ref) < 1e-3 and rel(lse, lse_ref) < 1e-5 and same_inf(lse, lse_ref)
 
@@ -538,7 +521,9 @@ def test_exact_decode_reads_protected_rows_from_the_protection_buffer(cb):
     layer.prot.copy_((torch.randn(layer.prot.shape, generator=gen) * 3 - 1).to(layer.prot.device, layer.prot.dtype))
     o_ref, lse_ref = ref.decode(layer, bt, lens, q, qp, 576**-0.5, exact=True)
     assert all(rel(o_pages[b], o_ref[b]) > 0.1 for b in range(len(lengths)))
-    for cfg in (dict(exact=True, num_splits=1), dict(exact=True, num_splits=3)):
-        o, lse = kernels.decode(layer, bt, lens, q, qp, 576**-0.5, "triton", cfg, out=_poisoned(len(lengths), 16))
+    for cfg in (dict(num_splits=1), dict(num_splits=3)):
+        o, lse = kernels.decode(
+            layer, bt, lens, q, qp, 576**-0.5, "triton", cfg, _poisoned(len(lengths), 16), exact=True
+        )
         assert not torch.isnan(o).any() and not torch.isnan(lse).any()
         assert rel(o, o_ref) < 1e-3 and rel(lse, lse_ref) < 1e-5 and same_inf(lse, lse_ref), cfg

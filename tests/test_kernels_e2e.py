@@ -19,6 +19,8 @@ from quantmla.evals import EvalContext
 from quantmla.evals.ppl import Perplexity
 from quantmla.models.tiny import build
 
+pytestmark = pytest.mark.slow  # minutes on two cores: the full suite only (scripts/test --fast skips it)
+
 PROMPT = "The history of the city begins with a small settlement on the river, where traders met"
 
 

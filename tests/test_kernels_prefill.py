@@ -32,6 +32,7 @@ def _inputs(lengths, n, H, fmt, gen):
     return q, qp
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cb, rb, H, d_c, kv, ql, sink, recent", CASES, ids=lambda v: str(v))
 def test_prefill_kernel_matches_reference(cb, rb, H, d_c, kv, ql, sink, recent):
     gen = torch.Generator().manual_seed(cb + rb + H + sum(kv))
@@ -74,6 +75,7 @@ def test_reference_prefill_is_the_spec():
         assert (o[b, :, m:] == 0).all() and torch.isinf(lse[b, :, m:]).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_attend_with_padding_counts_real_tokens_only(backend):
     """Left padding: a request's protected tokens are its own first and latest real tokens."""
@@ -126,6 +128,7 @@ def test_bad_prefill_inputs_raise():
         kernels.prefill(q, qp, C, K, kv_len, ql, 0.1, 4, 8, layer, bt, "triton", dict(block_h=16))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cb", [4, 2])
 def test_reference_exact_prefill_is_attention_over_the_unrounded_rows(cb):
     """Config ``exact``: float64 attention with each unprotected pair on s·(q − z) unrounded, the
@@ -163,6 +166,7 @@ EXACT_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cb, rb, H, d_c, kv, ql, sink, recent", EXACT_CASES, ids=lambda v: str(v))
 def test_exact_prefill_kernel_matches_the_exact_reference(cb, rb, H, d_c, kv, ql, sink, recent):
     """The teacher-forced kernel with config ``exact`` (float32 rows as hi/lo BF16 pairs) against the

@@ -97,6 +97,7 @@ def test_writer_matches_the_quantizer_bit_for_bit(cb, rb, dtype, d_c, kind):
             assert torch.equal(v[f"{path}_zero"][page, slot], q.zero.cpu()), (path, dev)
 
 
+@pytest.mark.slow
 def test_protection_buffers_hold_sink_and_latest_recent_rows():
     gen = torch.Generator().manual_seed(7)
     fmt = PageFormat(4, 4)
@@ -139,6 +140,7 @@ def test_token_by_token_writes_equal_one_chunk():
     assert torch.equal(chunk.prot, steps.prot)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cb, rb", [(4, 4), (16, 16)])
 def test_addresses_past_2_31_elements(cb, rb):
     """A page whose first element lies past 2^31 elements of its region view: only 64-bit offsets reach it.

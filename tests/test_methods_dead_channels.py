@@ -43,6 +43,7 @@ def _apply(model, tok, cfg, tmp_path):
     return m.apply(model, mla.adapters(model), ctx)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "cfg",
     [SmoothQuantConfig(), QuaRotConfig(), QuantMLAConfig(steps=4, val_every=2, lr_rotation=0.3, select="last")],

@@ -1,10 +1,13 @@
-"""The GPU-side scorer of ``quantmla.models.measure`` against lm-eval's own HFLM on the same requests."""
+"""The GPU-side scorer of ``quantmla.models.tooling.measure`` against lm-eval's own HFLM on the same requests."""
 
+import pytest
 import torch
 from lm_eval.models.huggingface import HFLM
 
-from quantmla.models.measure import score_ll
 from quantmla.models.tiny import build
+from quantmla.models.tooling.measure import score_ll
+
+pytestmark = pytest.mark.slow  # minutes on two cores: the full suite only (scripts/test --fast skips it)
 
 
 def test_score_ll_matches_hflm():

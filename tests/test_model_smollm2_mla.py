@@ -19,6 +19,8 @@ from quantmla.models import smollm2_mla as S
 from quantmla.models.build import assemble, build, stored_file
 from quantmla.models.embedded import EmbeddedModel
 
+pytestmark = pytest.mark.slow  # minutes on two cores: the full suite only (scripts/test --fast skips it)
+
 PROMPT = "The capital of France is"
 # Recorded from the build of models/smollm2-mla/heal.safetensors (float32, CPU): the last
 # position's top-5 next tokens with their logits, and 8 greedy tokens.

@@ -42,6 +42,7 @@ def test_schedule_and_data_order():
     assert sorted(torch.cat([batch_indices(k, 3, 10, 0) for k in range(10)]).tolist()) == sorted(list(range(10)) * 3)
 
 
+@pytest.mark.slow
 def test_cache_reuse_and_resume_after_ctrl_c(tmp_path):
     model, tok, _ = installed("tiny")
     cfg = QuantMLAConfig(steps=6, val_every=2)
@@ -87,6 +88,7 @@ def test_cache_reuse_and_resume_after_ctrl_c(tmp_path):
     assert (m.info["cached_C"], m.info["cached_P"]) == (0, 1)  # C2 needs its own content path; RoPE is shared
 
 
+@pytest.mark.slow
 def test_ablation_switches_choose_the_paths(tmp_path):
     model, tok, _ = installed("tiny")
     m = methods.get(QuantMLAConfig(steps=2, val_every=1, paths={"rope": False}))
@@ -130,6 +132,7 @@ def test_missing_or_short_data_stops_before_any_optimisation(tmp_path):
         assert not (tmp_path / "cache").exists()
 
 
+@pytest.mark.slow
 def test_reduced_budget_calibration_through_the_harness(tmp_path):
     common = [
         "model=tiny",
@@ -161,6 +164,7 @@ def test_reduced_budget_calibration_through_the_harness(tmp_path):
     assert sorted(df["bits"]) == ["C2R4", "C4R4"] and set(df["variant"]) == {"steps=4 val_every=2"}
 
 
+@pytest.mark.slow
 def test_table3_ablation_sweep_composes_the_papers_rows():
     validate_argv(["-m", "experiment=table3_ablation", "model=tiny", "logger=none"])  # every row is valid
     with initialize_config_dir(str(conf_dir()), version_base="1.3"):

@@ -22,6 +22,7 @@ from quantmla.transforms import from_state, pair_matrix
 FAR = dict(lr_rotation=0.3, lr_content_scale=0.3, lr_angle=0.5, lr_rope_scale=0.3, select="last")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["tiny", "v3", "glm", "longcat"])
 def test_fused_logits_equal_the_original_after_calibration(family, tmp_path):
     """The quantization-disabled check (the paper's App. C.4) after a real calibration whose transforms
@@ -71,6 +72,7 @@ def trained(tmp_path_factory):
     return base, out
 
 
+@pytest.mark.slow
 def test_learned_transforms_are_orthogonal_and_commute_with_rope(trained):
     base, out = trained
     for bits in ("c4r4", "c2r4"):
@@ -91,6 +93,7 @@ def test_learned_transforms_are_orthogonal_and_commute_with_rope(trained):
     assert t.theta_P.abs().max() > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", ["c4r4", "c2r4"])
 def test_quantmla_beats_every_baseline_on_its_heldout_objectives(trained, bits):
     """Held-out L_C (content at C4 or C2) and L_P (RoPE at 4 bits), each path with the other exact,
@@ -110,6 +113,7 @@ def test_quantmla_beats_every_baseline_on_its_heldout_objectives(trained, bits):
     assert q["info"]["heldout_C"] < q["info"]["heldout_init_C"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", ["c4r4", "c2r4"])
 def test_output_objective_beats_cache_mse_training(trained, bits):
     """The function-alignment claim, measured: the same parameters, budget and selection, trained on
@@ -123,6 +127,7 @@ def test_output_objective_beats_cache_mse_training(trained, bits):
     assert math.isclose(out[bits, "cache_mse"]["L_P"], out[bits, "rtn"]["L_P"])  # RoPE path off there
 
 
+@pytest.mark.slow
 def test_training_without_a_bar_logs_each_validation(tmp_path, caplog):
     """Without a progress bar (a log file, a SLURM job) each path logs a line per validation."""
     model, tok, _ = installed("tiny")

@@ -43,6 +43,7 @@ def tiny_folder(tmp_path_factory):
     return d
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("group,option", list(_all_options()))
 def test_every_config_composes_and_validates(group, option, tmp_path, tiny_folder):
     extra = [f"model.path={tiny_folder}"] if (group, option) == ("model", "local") else []
@@ -92,6 +93,7 @@ def _llama_folder(tmp_path):
     return d
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args,expect",
     [
@@ -120,6 +122,7 @@ def test_bad_input_one_line_before_loading(args, expect, tmp_path):
     assert not any(tmp_path.rglob("status")), "no run may start"
 
 
+@pytest.mark.slow
 def test_model_without_mla_is_refused(tmp_path):
     d = _llama_folder(tmp_path)
     r = _cli("model=local", f"model.path={d}", f"runs_dir={tmp_path}", "logger=none", cwd=tmp_path)
@@ -128,6 +131,7 @@ def test_model_without_mla_is_refused(tmp_path):
     assert len(r.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_local_checkpoint_runs(tiny_folder, tmp_path):
     r = _cli(
         "model=local",
@@ -144,6 +148,7 @@ def test_local_checkpoint_runs(tiny_folder, tmp_path):
     assert json.loads(metrics.read_text())["tokens"] == 2 * 127
 
 
+@pytest.mark.slow
 def test_failed_run_is_recorded_failed_not_done(tmp_path, tiny_folder):
     broken = broken_checkpoint(tiny_folder, tmp_path / "broken")
     r = _cli("model=local", f"model.path={broken}", f"runs_dir={tmp_path}", "logger=none", cwd=tmp_path)
@@ -169,6 +174,7 @@ def test_run_id_of_a_run_without_exact_is_kept():
     assert run_id(cfg | {"exact": True}) != run_id(cfg)
 
 
+@pytest.mark.slow
 def test_exact_is_planned_for_any_model():
     """``exact=true`` runs on every model and device: where the exact decode kernel does not take
     a shape (the embedded model's d_c 384, the tiny model's 4 heads), the core falls back to the
@@ -186,6 +192,7 @@ def test_interrupted_run_is_marked(tmp_path):
     assert rec.status == "interrupted" and not rec.done
 
 
+@pytest.mark.slow
 def test_main_sweep_records_skips_and_prints_table(tmp_path):
     """The README's main job on a reduced budget: three runs, W&B offline, table, then all skipped."""
     args = [
@@ -233,6 +240,7 @@ def test_analysis_cli(tmp_path):
     assert Path(tmp_path / "o" / "table.csv").read_text().startswith("model,method,bits,protect,ppl")
 
 
+@pytest.mark.slow
 def test_sigterm_marks_the_run_interrupted(tmp_path):
     """A killed run (scheduler time limit, kill) is recorded as interrupted, with the reason."""
     import signal

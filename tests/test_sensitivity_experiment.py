@@ -21,6 +21,7 @@ def sweep(tmp_path_factory):
     return runs / "table4_sensitivity", out.stdout
 
 
+@pytest.mark.slow
 def test_run_record_holds_per_layer_metrics(sweep):
     root, _ = sweep
     (metrics_file,) = root.glob("*/metrics.json")
@@ -52,6 +53,7 @@ def test_tables_and_figures_are_written(sweep):
     assert "sensitivity_responses.png" in stdout
 
 
+@pytest.mark.slow
 def test_analysis_cli_renders_again(sweep, tmp_path):
     root, _ = sweep
     out = subprocess.run(

@@ -77,6 +77,7 @@ def small_probe():
     return small_layer_probe(10)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["C", "P"])
 def test_expected_gains_match_the_exact_operator(small_probe, path):
     c = small_probe.cache[path]

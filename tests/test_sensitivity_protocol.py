@@ -161,6 +161,7 @@ def test_spearman_matches_pandas():
     assert spearman(a, b) == pytest.approx(pd.Series(a).corr(pd.Series(b), method="spearman"))
 
 
+@pytest.mark.slow
 def test_eval_end_to_end_in_process(tiny):
     model, tok, layers, _, _ = tiny
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -184,6 +185,7 @@ def test_eval_end_to_end_in_process(tiny):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+@pytest.mark.slow
 def test_eval_interventions_at_the_local_points(tiny):
     model, tok, _, _, _ = tiny
     ev = Sensitivity(seeds=[0], sequences=1, seq_len=48, layers=[1], local_layers=[1], probes=4, interventions=3)
@@ -266,6 +268,7 @@ def test_model_without_mla_is_refused():
         attention.install(llama, CacheSpec())
 
 
+@pytest.mark.slow
 def test_cli_refuses_bad_target_before_loading(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "quantmla.run", "model=tiny", "eval=sensitivity", "eval.target_nmse=0", "logger=none"]
@@ -279,6 +282,7 @@ def test_cli_refuses_bad_target_before_loading(tmp_path):
     assert not any(tmp_path.rglob("metrics.json"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["DeepseekV3", "Glm4MoeLite", "LongcatFlash"])
 def test_probe_output_on_other_mla_families(family):
     """q-LoRA, interleaved RoPE and LongCat's latent scalars: the probe's Y is the layer's output."""

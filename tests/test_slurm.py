@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # minutes on two cores: the full suite only (scripts/test --fast skips it)
+
 NEEDED = ("slurmctld", "slurmd", "sbatch", "munged", "sinfo")
 
 

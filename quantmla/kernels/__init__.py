@@ -10,8 +10,9 @@ Usable on its own (a serving engine could call it) and used by the harness for e
 - :func:`attend`: teacher-forced attention over dense latents (quantized into temporary
   pages first), what evaluation and :func:`quantmla.attention.layer_output` use.
 
-Each runs as a Triton kernel (``quantmla.kernels.triton_{write,decode,prefill}``) or as the float32
-torch reference (:mod:`quantmla.kernels.reference`), chosen by ``backend``: ``auto`` takes
+Each runs as a Triton kernel (:mod:`~quantmla.kernels.triton_write`, :mod:`~quantmla.kernels.triton_prefill`;
+decode on the kernel :mod:`~quantmla.kernels.dispatch` chooses) or as the float32 torch reference
+(:mod:`quantmla.kernels.reference`), chosen by ``backend``: ``auto`` takes
 Triton for CUDA tensors and the reference on CPU; ``triton`` and ``reference`` force one
 (``triton`` on CPU only under ``TRITON_INTERPRET=1``). Triton kernels have no backward, so
 ``auto`` takes the reference when autograd must flow through the call. Every wrapper checks
@@ -69,14 +70,6 @@ def resolve_backend(backend: str, device: torch.device, grad: bool = False, dtyp
     return backend
 
 
-def _impl(backend: str, device: torch.device, what: str, grad: bool = False, dtype: torch.dtype | None = None):
-    if resolve_backend(backend, device, grad, dtype) == "reference":
-        return getattr(reference, what)
-    import importlib
-
-    return getattr(importlib.import_module(f"quantmla.kernels.triton_{what}"), what)
-
-
 def traced(*tensors) -> bool:
     """Whether any tensor is wrapped by a torch.func transform (vmap, grad, vjp, jvp): such tensors
     have no storage a Triton kernel could read, so ``auto`` takes the reference for them."""
@@ -132,7 +125,11 @@ def write(
     if validate and C.shape[0] and int(pos.max()) >= int(lens_after.max()):
         raise ValueError("a token index is not below its request's length after the write")
     C, K_P = C.contiguous(), K_P.contiguous()
-    _impl(backend, C.device, "write", dtype=fmt.dtype)(layer, block_table, C, K_P, req, pos, lens_after)
+    if resolve_backend(backend, C.device, dtype=fmt.dtype) == "reference":
+        fn = reference.write
+    else:
+        from quantmla.kernels.triton_write import write as fn
+    fn(layer, block_table, C, K_P, req, pos, lens_after)
 
 
 def _check_out(out, shapes) -> None:
@@ -153,17 +150,13 @@ DECODE_CONFIG = {
     "pv_split": "P·V with P as a hi/lo pair, float32 accuracy (True, the default up to 16 heads) or one BF16 tile (False, the default above)",
     "chunks": "column chunks (1, 2 or 4) the content path is read, reconstructed and multiplied in (1 where the format's d_c cannot be cut into whole groups)",
     "maxnreg": "registers per thread the compiler may use (more programs per SM, spills beyond); none by default",
-    "gluon": "run the Gluon Hopper kernel where it applies (C4R4 or C2R4 in BF16, > 16 heads, P as one BF16 tile, "
-    "64-token tiles, sm_90): True by default above 16 heads",
-    "mma16": "run the register-fed Gluon kernel where it applies (C4R4 in BF16, <= 16 heads, P as one BF16 tile, "
-    "64-token tiles, sm_90, long enough splits): True by default",
+    "gluon": "run the Gluon Hopper kernel where it takes the case (C4R4 or C2R4 in BF16, > 16 heads, P as one BF16 "
+    "tile, 64-token tiles, sm_90; gluon_decode.supports): True by default above 16 heads",
     "prot_weight": "page tiles one protected tile counts for when the exact kernel cuts a request into splits "
-    "(default triton_decode.EXACT_PROT_WEIGHT)",
-    "mma16_min_tiles": "fewest tiles per split for the register-fed kernel (default triton_decode.MMA16_MIN_TILES)",
-    "exact": "attention over the exactly dequantized cache, s·(q − z) without the BF16 rounding of the "
-    "reconstructed tile, P in FP16: the exact_decode Gluon kernel (C4R4 or C2R4 in BF16, <= 16 heads, sm_90); "
-    "False by default (the reference's semantics); its reference is reference.decode(..., exact=True)",
+    "(default exact_decode.PROT_WEIGHT)",
 }
+"""Tuning keys of :func:`decode`'s ``config``: none changes what is computed, beyond P's precision
+(``pv_split``). What is computed is :func:`decode`'s ``exact``."""
 PREFILL_CONFIG = {
     "block_m": "(query, head) rows per program",
     "block_n": "keys per tile",
@@ -195,14 +188,21 @@ def decode(
     config=None,
     out=None,
     validate: bool = True,
+    *,
+    exact: bool = False,
 ):
     """Decode attention: (o_lat (B, H, d_c), lse (B, H)) float32 for q_lat (B, H, d_c), q_pe (B, H, d_r)
     over each request's ``lengths[b]`` cached tokens (into ``out`` when given). ``config``
     overrides the kernel's tile/split choice (keys: :data:`DECODE_CONFIG`; the defaults are
-    the tuned table of :mod:`~quantmla.kernels.triton_decode`). ``validate=False`` skips the
+    the tuned table of :mod:`~quantmla.kernels.dispatch`). ``validate=False`` skips the
     block-table checks that read the device, as in :func:`write`; with ``config["max_len"]``
     given too, the call does not wait for the GPU.
-    See :func:`quantmla.kernels.reference.decode`."""
+
+    ``exact``: attention over the exactly dequantized cache, s·(q − z) without the rounding of the
+    reconstructed rows to the cache dtype, P in FP16 (the exact_decode Gluon kernel: C4R4 or C2R4 in
+    BF16, <= 16 heads, sm_90; elsewhere the exact torch reference, said once in the log). False by
+    default: the reference's function, :func:`quantmla.kernels.reference.decode`, whose ``exact``
+    is the same switch."""
     _check_config(config, DECODE_CONFIG, "decode")
     fmt = layer.fmt
     _same_device(layer.pool, block_table, lengths, q_lat, q_pe)
@@ -214,8 +214,11 @@ def decode(
         raise ValueError(f"protection buffers hold {layer.prot.shape[0]} requests, the batch is {q_lat.shape[0]}")
     B, H = q_lat.shape[:2]
     _check_out(out, ((B, H, fmt.d_c), (B, H)))
-    fn = _impl(backend, q_lat.device, "decode", dtype=fmt.dtype)
-    return fn(layer, block_table, lengths, q_lat, q_pe, tau, config, out)
+    if resolve_backend(backend, q_lat.device, dtype=fmt.dtype) == "reference":
+        return reference.decode(layer, block_table, lengths, q_lat, q_pe, tau, config, out, exact=exact)
+    from quantmla.kernels import dispatch
+
+    return dispatch.decode(layer, block_table, lengths, q_lat, q_pe, tau, config, out, exact=exact)
 
 
 def prefill(
@@ -264,7 +267,10 @@ def prefill(
     _check_out(out, (tuple(q_lat.shape[:3]) + (d_c,), tuple(q_lat.shape[:3])))
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_lat, q_pe, C, K_P))
     grad = grad or traced(q_lat, q_pe, C, K_P)
-    fn = _impl(backend, q_lat.device, "prefill", grad, C.dtype)
+    if resolve_backend(backend, q_lat.device, grad, C.dtype) == "reference":
+        fn = reference.prefill
+    else:
+        from quantmla.kernels.triton_prefill import prefill as fn
     C, K_P = C.contiguous(), K_P.contiguous()
     return fn(q_lat, q_pe, C, K_P, kv_len, q_len, tau, sink, recent, layer, block_table, config, out)
 

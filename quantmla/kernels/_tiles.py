@@ -30,6 +30,8 @@ from quantmla.kernels.layout import PAGE
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
+LOG2E = 1.4426950408889634  # scores are taken in log2 units: tau·log2(e)·(q·k)
+
 PAGE_TOKENS = tl.constexpr(PAGE)  # tokens per page; a codes region is group-major (layout.py)
 MAGIC_INT = 0x4B000000  # float32 bit pattern of 2^23
 TWO23 = 8388608.0

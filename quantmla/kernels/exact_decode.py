@@ -2,9 +2,8 @@
 the codes enter the tensor cores as the integers they are, and the scales and zero-points are
 applied to the products instead of to every element.
 
-The other 16-head kernels reconstruct s·(q − z) in BF16 for every element of every tile (twice in
-the register-fed one), which is ~1,100 values per token on the CUDA cores; that work, not the
-bytes, is what holds them to BF16's speed (docs/kernel-design-notes.md). Here a 4-bit code
+The Triton kernel reconstructs s·(q − z) in BF16 for every element of every tile, which is ~1,100 values per token on the CUDA cores; that work, not the
+bytes, is what holds them to BF16's speed (bench/NOTES.md, "Where it stands"). Here a 4-bit code
 becomes an FP16 number with one logical operation per two codes and no arithmetic: the bits
 ``0x000n`` read as FP16 are the subnormal n·2^-24, exactly, and ``0x00n0`` is 16·n·2^-24. With
 per-token group scales the algebra of absorbed attention allows the rest to move off the
@@ -15,10 +14,10 @@ elements (g: one 64-channel group, t: a token, h: a head)::
 
 so per token the CUDA cores turn 1,088 codes into FP16 (two unpackings, one per product) and
 scale 16 heads x 9 groups of partial scores and 16 x 8 entries of P, instead of reconstructing
-1,088 values. The result is attention over the exact ``s·(q − z)``: the cache is read as the paper's
-eqs. 35-36 define it, without the BF16 rounding of the reconstructed tile that the paper's kernel and
+1,088 values. The result is attention over the exact ``s·(q − z)``: the cache is read as the spec's
+Eq. 35-36 define it, without the BF16 rounding of the reconstructed tile that the paper's kernel and
 :mod:`.reference` apply (the two differ by that rounding, which at large scores the softmax
-amplifies). P enters P·V in FP16 (11 significant bits, where FlashMLA's BF16 P
+amplifies; bench/NOTES.md v19). P enters P·V in FP16 (11 significant bits, where FlashMLA's BF16 P
 has 8). :func:`quantmla.kernels.reference.decode` with ``exact=True`` is this kernel's reference.
 
 2-bit content codes (C2R4; the RoPE codes stay 4-bit) take the same path with other masks: code i
@@ -34,7 +33,7 @@ registers and 103 KB of shared memory each at C4R4, 79 KB at C2R4):
 - the page (codes, scales and zero-points) is copied to shared memory by the TMA two tiles ahead,
   into one of three stages, in two boxes (the content codes with the 32-byte swizzle that keeps
   ``ldmatrix`` free of bank conflicts; then the RoPE codes and the metadata), one thread issuing them
-  and an mbarrier per stage and box saying when they have landed;
+  and an mbarrier per stage and box saying when they have landed (bench/NOTES.md v29-v30);
 - scores: for each of the 9 groups (8 content, 1 RoPE), ``ldmatrix`` gives each thread its wgmma
   A fragment of 16-bit code words (4 channels each), one PTX block turns each word pair into four
   FP16 pairs (nibble j of each word: channel 4m + j), and four ``wgmma.m64n16k16`` (tokens on M,
@@ -42,7 +41,7 @@ registers and 103 KB of shared memory each at C4R4, 79 KB at C2R4):
   give the group's partial scores, which one FMA per element scales into the tile's scores; the
   zero-point term of all 9 groups is three more wgmma (s·z and the query sums as FP16 hi/lo pairs).
   The nine groups' loads are all issued when the score phase starts, and P·V's before the softmax,
-  so that no unpacking waits on its ``ldmatrix``;
+  so that no unpacking waits on its ``ldmatrix`` (bench/NOTES.md v28);
 - online softmax with a lazy maximum: P is taken against the running maximum, and each warp
   publishes by how much its scores pass it beside P' (no reduction across warps before P); only a
   tile that passes it by more than 2^LAZY (``LAZY``, log2 units) raises it, rescales everything
@@ -53,21 +52,23 @@ registers and 103 KB of shared memory each at C4R4, 79 KB at C2R4):
   group on a tile whose column 0 holds the zero-points (the ``Σ p s z`` term).
 
 The protected rows (sink and ring, BF16) are three work tiles before the page tiles, each weighing
-``EXACT_PROT_WEIGHT`` page tiles when a request is cut into splits (``triton_decode.front_split_work``:
-a protected tile reads its BF16 rows outside the page pipeline and takes several page tiles' time,
-so a split holding two or three of them on top of a full share of page tiles would finish last); a
-split attends to its page tiles
+:data:`PROT_WEIGHT` page tiles when a request is cut into splits (:func:`split`:
+a protected tile takes 3–5 page tiles' time, and a split that held two or three of them on
+top of a full share of page tiles ran last, bench/NOTES.md v33); a split attends to its page tiles
 first, then to its protected rows. They enter both products as FP16 (exact for magnitudes in
 [2^-14, 65504], as cached latents are) through the same accumulators, once these have been brought
-from the codes' 2^-24 units to units of 1. The LSE merge is the Triton kernel's. Range: P <= 2^LAZY
+from the codes' 2^-24 units to units of 1. The LSE merge is :func:`quantmla.kernels.splits.merge`. Range: P <= 2^LAZY
 and P' = P·s in FP16 take content scales below 4,000 (group ranges
 below 60,000 at 4 bits, 12,000 at 2).
 
-Where it is faster than C16R16 and where not (batch 1 and short contexts, where each split holds
-one tile): docs/kernels.md.
+Measured on the H200 (bench/NOTES.md v24-v33; sweep ``decode-20261203-132456``): at 16 heads,
+batch >= 32 and 8K tokens or more, C4R4 at 1.56-1.88x the speed of C16R16 and C2R4 at 1.64-1.98x,
+where the default kernels run them at 0.89-0.97x and 0.91-0.99x; 1.64x and 1.72x at batch 1 and
+128K; slower than C16R16 at batch 1 and short contexts (0.82x at 4K), where each split holds
+one tile. C2R4's loop issues 4 % fewer instructions than C4R4's, with the same unpacking per code.
 
 Takes C4R4 or C2R4 in a BF16 cache (group 64, d_c 512, d_r 64, protection buffers on) for at most 16 heads
-on a Hopper GPU (:func:`applies`). No interpreter runs Gluon: the GPU tests cover this file, and
+on a Hopper GPU (:func:`supports` says when and why not). No interpreter runs Gluon: the GPU tests cover this file, and
 ``python bench/gluon_sass.py --exact`` compiles it for sm_90 without a GPU.
 """
 
@@ -87,11 +88,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from quantmla.kernels._tiles import INTERPRET, LOG2E
 from quantmla.kernels.gluon_decode import _join8, _prot_valid, hopper_format
-from quantmla.kernels.mma_decode import _prefetch_page
-from quantmla.kernels.triton_decode import front_share
+from quantmla.kernels.splits import Case, Split, front_share, front_split_work
 
-LOG2E = 1.4426950408889634
+NAME = "exact"
 WARPS = 4
 STAGES = gl.constexpr(3)
 LAZY = gl.constexpr(4)  # the accumulators are rescaled when a score passes the running maximum by 2^LAZY (log2 units)
@@ -231,9 +232,7 @@ LO2 = gl.constexpr(gl.BlockedLayout([1, 1, 1, 4], [1, 4, 4, 2], [4, 1, 1, 1], [3
 
 
 @gluon.jit
-def _copy_tile(
-    dc, dm, cst, mst, bc, bm, page, PAGE_BYTES: gl.constexpr, R_OFF: gl.constexpr, CB: gl.constexpr, WIDE: gl.constexpr
-):
+def _copy_tile(dc, dm, cst, mst, bc, bm, page, PAGE_BYTES: gl.constexpr, R_OFF: gl.constexpr, CB: gl.constexpr):
     """The TMA copy of page ``page`` into a stage in two boxes: the content codes (512 rows of 16 words at
     4 bits, with the 32-byte swizzle, or of 8 at 2; group-major, 64 tokens per group) into ``cst``,
     completing on ``bc``, and the 4 KB from the RoPE codes on (64 rows of 16 words, then the scales and
@@ -243,16 +242,11 @@ def _copy_tile(
     expects and the copies, one between the copies and the waits)."""
     mbarrier.expect(bc, R_OFF)
     mbarrier.expect(bm, PAGE_BYTES - R_OFF)
-    if WIDE:  # the same bytes as boxes of 256-byte rows, unswizzled
-        row = page * (PAGE_BYTES // 256)
-        _tma_load(dc, [row, 0], bc, _view(cst, gl.int16, [R_OFF // 256, 128], NV0))
-        _tma_load(dm, [row + R_OFF // 256, 0], bm, _view(mst, gl.int16, [16, 128], NV0))
-    elif CB == 4:
+    if CB == 4:
         _tma_load(dc, [page * (PAGE_BYTES // 2048), 0, 0], bc, _view(cst, gl.int16, [8, 64, 16], NV32_3))
     else:
         _tma_load(dc, [page * (PAGE_BYTES // 4096), 0, 0], bc, _view(cst, gl.int16, [2, 256, 8], NV0_3))
-    if not WIDE:
-        _tma_load(dm, [page * (PAGE_BYTES // 32) + R_OFF // 32, 0], bm, mst)
+    _tma_load(dm, [page * (PAGE_BYTES // 32) + R_OFF // 32, 0], bm, mst)
 
 
 @gluon.jit
@@ -325,14 +319,6 @@ def _content_words(cst, g: gl.constexpr, CB: gl.constexpr, AL: gl.constexpr):
 
 
 @gluon.jit
-def _raw4(x):
-    """Timing only (ablation 5): the code words themselves as the four FP16 operands, so that the
-    products run on the loaded registers with no unpacking (the values are wrong)."""
-    r = x.to(gl.float16, bitcast=True)
-    return r, r, r, r
-
-
-@gluon.jit
 def _a_operands(x, CB: gl.constexpr, AL: gl.constexpr):
     """Code words from :func:`_content_words` -> the four FP16 A operands of their group's score
     wgmma: nibble j (channel 4m + j at k = m) at 4 bits; at 2, codes p and p + 4 side by side
@@ -359,21 +345,16 @@ def _tile_words(cst, rst, CB: gl.constexpr, AL: gl.constexpr):
 
 
 @gluon.jit
-def _scores(xs, qc, qr, zb, s, sr, wz, CB: gl.constexpr, AL: gl.constexpr, ACC: gl.constexpr, RAW: gl.constexpr):
+def _scores(xs, qc, qr, zb, s, sr, wz, CB: gl.constexpr, AL: gl.constexpr, ACC: gl.constexpr):
     """Σ_g s_tg (Σ_c n_tc q'_hc 2^-24 − z_tg Σ_c q'_hc 2^-24) for the page tile whose code words are
     ``xs`` (:func:`_tile_words`; ``s``: the content groups' scales per token; ``wz``: the A operand of
     the zero-point term): tokens on M, one group's products in flight while the previous group's
-    are scaled (``RAW``: timing only, the words as operands, not unpacked)."""
+    are scaled."""
     tot = gl.zeros([64, 16], gl.float32, ACC)
     zacc = _zero_scores(wz, zb, ACC)
-    if RAW:
-        prev = _group_scores(_raw4(xs[0]), qc, qr, 0, ACC)
-    else:
-        prev = _group_scores(_a_operands(xs[0], CB, AL), qc, qr, 0, ACC)
+    prev = _group_scores(_a_operands(xs[0], CB, AL), qc, qr, 0, ACC)
     for g in gl.static_range(8):
-        if RAW:
-            nxt = _group_scores(_raw4(xs[g + 1]), qc, qr, g + 1, ACC)
-        elif g < 7:
+        if g < 7:
             nxt = _group_scores(_a_operands(xs[g + 1], CB, AL), qc, qr, g + 1, ACC)
         else:
             nxt = _group_scores(_unpack4(xs[8]), qc, qr, g + 1, ACC)
@@ -487,15 +468,11 @@ def _b_operands(x, B2: gl.constexpr, CB: gl.constexpr):
 
 
 @gluon.jit
-def _pv(psm, words, ztm, acc, az, CB: gl.constexpr, A2: gl.constexpr, B2: gl.constexpr, RAW: gl.constexpr):
+def _pv(psm, words, ztm, acc, az, CB: gl.constexpr, A2: gl.constexpr, B2: gl.constexpr):
     """acc_j += P'_g · codes_j of the page tile's code ``words`` (:func:`_pv_words`; j: nibble 0..3 at
-    4 bits, code 0..7 at 2) and the zero column: az += P'_g · (z·2^-24 in column 0) (``RAW``: timing
-    only, the words as operands)."""
+    4 bits, code 0..7 at 2) and the zero column: az += P'_g · (z·2^-24 in column 0)."""
     pa = psm.permute((0, 2, 1)).load(A2)
-    if RAW:
-        acc = _mma_each(pa, _raw4(words), acc, CB)
-    else:
-        acc = _mma_each(pa, _unpack(words, CB), acc, CB)
+    acc = _mma_each(pa, _unpack(words, CB), acc, CB)
     az = mma_v2(pa, ztm.load(B2), az)
     return acc, az
 
@@ -673,40 +650,11 @@ def _store_out(o_b, y, H, stride_oh, LOUT: gl.constexpr):
 
 
 @gluon.jit
-def _pvw_group(psm, cst, acc, g: gl.constexpr, AL: gl.constexpr):
-    """Timing only (ablation 12): group ``g``'s P·V as four async wgmma, channels on M (the four
-    nibble tensors of its score A operands stand in for the channel-major fragments, so the values are
-    wrong but the loads, unpacking and products are those of P·V on wgmma), tokens on K, the group's P'
-    (NVMMA layout) as B."""
-    a = _unpack4(_content_words(cst, g, 4, AL))
-    pg = psm.reshape([512, 16])
-    acc = warpgroup_mma(a[0], pg.slice(64 * g, 16), acc, is_async=True)
-    acc = warpgroup_mma(a[1], pg.slice(64 * g + 16, 16), acc, is_async=True)
-    acc = warpgroup_mma(a[2], pg.slice(64 * g + 32, 16), acc, is_async=True)
-    return warpgroup_mma(a[3], pg.slice(64 * g + 48, 16), acc, is_async=True)
-
-
-@gluon.jit
-def _pv_wgmma(psm, cst, acc, AL: gl.constexpr):
-    """Timing only: P·V of the tile as 32 wgmma, two groups in flight (each group's A registers live
-    until its products complete), all complete at the end. (Leaving the last group in flight into the
-    next tile makes ptxas serialize every wgmma of the loop: Triton 3.6.)"""
-    c0 = _pvw_group(psm, cst, acc[0], 0, AL)
-    c1 = _pvw_group(psm, cst, acc[1], 1, AL)
-    c0 = warpgroup_mma_wait(num_outstanding=4, deps=(c0,))
-    c2 = _pvw_group(psm, cst, acc[2], 2, AL)
-    c1 = warpgroup_mma_wait(num_outstanding=4, deps=(c1,))
-    c3 = _pvw_group(psm, cst, acc[3], 3, AL)
-    c2 = warpgroup_mma_wait(num_outstanding=4, deps=(c2,))
-    c4 = _pvw_group(psm, cst, acc[4], 4, AL)
-    c3 = warpgroup_mma_wait(num_outstanding=4, deps=(c3,))
-    c5 = _pvw_group(psm, cst, acc[5], 5, AL)
-    c4 = warpgroup_mma_wait(num_outstanding=4, deps=(c4,))
-    c6 = _pvw_group(psm, cst, acc[6], 6, AL)
-    c5 = warpgroup_mma_wait(num_outstanding=4, deps=(c5,))
-    c7 = _pvw_group(psm, cst, acc[7], 7, AL)
-    c6, c7 = warpgroup_mma_wait(num_outstanding=0, deps=(c6, c7))
-    return c0, c1, c2, c3, c4, c5, c6, c7
+def _prefetch_l2(base, tid, nbytes):
+    """Thread 0 of the program: ``nbytes`` (a multiple of 16) from ``base`` into L2."""
+    gl.inline_asm_elementwise(
+        "{\n.reg .pred p;\nsetp.eq.u32 p, $1, 0;\n@p cp.async.bulk.prefetch.L2.global [$2], $3;\nmov.u32 $0, 0;\n}",
+        "=r,r,l,r", [tid, base.to(gl.pointer_type(gl.int8)), nbytes], dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
 
 
 @gluon.jit
@@ -759,8 +707,7 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, DC, DM,
                     stride_ob, stride_oh, stride_os, stride_bt, tiles_per_split, prot_per, prot_end, qk_scale,
                     PAGE_BYTES: gl.constexpr, R_OFF: gl.constexpr, S_OFF: gl.constexpr, RS_OFF: gl.constexpr,
                     Z_OFF: gl.constexpr, RZ_OFF: gl.constexpr,
-                    SINK: gl.constexpr, RECENT: gl.constexpr, SPLIT: gl.constexpr, CHECK_LATE: gl.constexpr,
-                    ABL: gl.constexpr, CB: gl.constexpr, WIDE: gl.constexpr):  # fmt: skip
+                    SINK: gl.constexpr, RECENT: gl.constexpr, SPLIT: gl.constexpr, CB: gl.constexpr):  # fmt: skip
     BN: gl.constexpr = 64
     NS: gl.constexpr = STAGES
     AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
@@ -793,11 +740,7 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, DC, DM,
     qc = gl.allocate_shared_memory(gl.float16, [32, 16, 16], QS)  # score B tiles, content: (8j + g) x (head, word)
     qr = gl.allocate_shared_memory(gl.float16, [4, 16, 16], QS)  # score B tiles, RoPE: j x (head, word)
     zb = gl.allocate_shared_memory(gl.float16, [2, 16, 16], QS)  # zero-point term B: hi, lo x (head, group)
-    WG: gl.constexpr = ABL == 12  # timing only: P·V on wgmma
-    if WG:
-        psm = gl.allocate_shared_memory(gl.float16, [8, 64, 16], NV32_3)
-    else:
-        psm = gl.allocate_shared_memory(gl.float16, [8, 64, 16], SW3)  # P'_g: (group, token, head)
+    psm = gl.allocate_shared_memory(gl.float16, [8, 64, 16], SW3)  # P'_g: (group, token, head)
     ztm = gl.allocate_shared_memory(gl.float16, [8, 64, 8], P3)  # zero-point column tile (group, token, 8)
     fl = gl.allocate_shared_memory(gl.float32, [4], P1)  # each warp's overshoot of the running maximum
     LF: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
@@ -808,7 +751,7 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, DC, DM,
 
     low_hi = L - RECENT  # tokens SINK <= t < L - RECENT are read from the pages
     n_tiles = gl.cdiv(gl.minimum(gl.maximum(low_hi, SINK), L), BN)
-    # this split's work units pid_s·per … (pid_s + 1)·per − 1 (triton_decode.front_split_work): first
+    # this split's work units pid_s·per … (pid_s + 1)·per − 1 (splits.front_split_work): first
     # the request's protected tiles, prot_per to a split, then its page tiles from unit prot_end on
     u_lo = pid_s * tiles_per_split
     t_lo = gl.maximum(u_lo - prot_end, 0)
@@ -822,7 +765,7 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, DC, DM,
     for i in gl.static_range(NS - 1):
         if t_lo + i < t_hi:
             page = gl.load(bt_row + t_lo + i)
-            _copy_tile(DC, DM, cs.index(i), ms.index(i), bc.index(i), bm.index(i), page, PAGE_BYTES, R_OFF, CB, WIDE)
+            _copy_tile(DC, DM, cs.index(i), ms.index(i), bc.index(i), bm.index(i), page, PAGE_BYTES, R_OFF, CB)
     kq = _queries(Q + b * stride_qb, stride_qh, QPE + b * stride_rb, stride_rh, H, qc, qr, zb, CB)
     # per head: the scores in log2 units are c_h · (products), c_h = tau·log2(e)·2^(24 − kq)
     ch = gl.convert_layout(qk_scale * ((151 - kq) << 23).to(gl.float32, bitcast=True), COLS)
@@ -833,10 +776,7 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, DC, DM,
     lacc = gl.zeros([64, 16], gl.float32, ACC)
     # P·V: one accumulator per code position j of a word (groups x heads x words; channel
     # 64g + (16/CB)·m + j)
-    if WG:
-        a0 = gl.zeros([64, 16], gl.float32, ACC)
-        acc = (a0, a0, a0, a0, a0, a0, a0, a0)
-    elif CB == 4:
+    if CB == 4:
         a0 = gl.zeros([8, 16, 16], gl.float32, M2)
         acc = (a0, a0, a0, a0)
     else:
@@ -853,121 +793,86 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, DC, DM,
     KP: gl.constexpr = (SINK + RECENT + BN - 1) // BN
     p_lo = gl.minimum(pid_s * prot_per, KP) * BN
     p_hi = gl.minimum(pid_s * prot_per + prot_per, KP) * BN
-    if (ABL == 11) or WG:  # timing only: no protected rows
-        p_hi = p_lo
-    if ABL != 4:  # ablation 4 (timing only): no prefetch of the protected rows
-        if p_lo < p_hi:
-            row_bytes: gl.constexpr = 576 * 2  # a protected row: d_c + d_r BF16 values
-            _prefetch_page(PROT + b * stride_pb + p_lo * 576, tid, (gl.minimum(p_hi, SINK + RECENT) - p_lo) * row_bytes)
+    if p_lo < p_hi:
+        row_bytes: gl.constexpr = 576 * 2  # a protected row: d_c + d_r BF16 values
+        _prefetch_l2(PROT + b * stride_pb + p_lo * 576, tid, (gl.minimum(p_hi, SINK + RECENT) - p_lo) * row_bytes)
     for t in range(t_lo, t_hi):
         it = t - t_lo
         _barrier()  # every warp done with tile t - 1: its stage and the P buffer can be written
         if t + NS - 1 < t_hi:
             sn = (it + NS - 1) % NS
-            _copy_tile(DC, DM, cs.index(sn), ms.index(sn), bc.index(sn), bm.index(sn), pn, PAGE_BYTES, R_OFF, CB, WIDE)
+            _copy_tile(DC, DM, cs.index(sn), ms.index(sn), bc.index(sn), bm.index(sn), pn, PAGE_BYTES, R_OFF, CB)
         pn = pp
         pp = gl.load(bt_row + gl.minimum(t + NS + 1, t_hi - 1))
         st = it % NS
         mbarrier.wait(bc.index(st), (it // NS) & 1)  # tile t in shared memory
         mbarrier.wait(bm.index(st), (it // NS) & 1)
-        if (ABL != 8) and (ABL != 9):  # ablations 8 and 9 (timing only): the copies and barriers alone
-            if WIDE:
-                cst = _view(cs.index(st), gl.int16, [512, 4 * CB], P2)
-            elif CB == 4:
-                cst = _view(cs.index(st), gl.int16, [512, 16], SW)
-            else:
-                cst = _view(cs.index(st), gl.int16, [512, 8], P2)
-            tok = t * BN + rows
-            valid = (tok >= SINK) & (tok < low_hi)
-            rst, s8, sr, wz, zc = _tile_meta(ms.index(st), valid, c8, S_OFF, Z_OFF, RS_OFF, RZ_OFF, AL)
-            ztm.permute((1, 0, 2)).store(gl.where(n8 == 0, zc, 0).to(gl.float16, bitcast=True))
-            if (ABL == 2) or (ABL == 7):  # timing only: no score products
-                x = gl.zeros([64, 16], gl.float32, ACC)
-            else:
-                xs = _tile_words(cst, rst, CB, AL)
-                x = _scores(xs, qc, qr, zb, s8, sr, wz, CB, AL, ACC, (ABL == 5) or (ABL == 6)) * ch[None, :]
-            # P·V's code words while the softmax runs (the tile is in shared memory since the loop's barrier)
-            words = _pv_words(cst, CB, B2)
-            if CHECK_LATE:
-                # optimistic: P against the running maximum, each warp's overshoot published with P';
-                # the rare tile that passes it by more than 2^LAZY is redone after the barrier
-                x = gl.where(valid[:, None], x, float("-inf"))
-                fl.store(_over_per_warp(x, valid, m_ref))
-                p = _p(x, m_ref)
-                _store_p(psm, p, s8)
-                _barrier()  # P', the zero-point tile and the overshoots visible to every warp
-                if ABL != 3:
-                    if gl.max(fl.load(LF), axis=0) > LAZY:
-                        if WG:
-                            acc = warpgroup_mma_wait(num_outstanding=0, deps=acc)
-                            m_new = gl.maximum(m_ref, gl.max(x, axis=0))
-                            alpha = gl.exp2(m_ref - m_new)
-                            lacc = lacc * alpha[None, :]
-                            acc = _times(acc, alpha[None, :], 2)
-                            m_ref = m_new
-                        else:
-                            m_ref, lacc, acc, az = _raise_max(x, m_ref, lacc, acc, az, CB, M2)
-                        p = _p(x, m_ref)
-                        _store_p(psm, p, s8)
-                        _barrier()
-                lacc = lacc + p
-            else:
-                p, m_ref, lacc, acc, az = _softmax(x, valid, m_ref, lacc, acc, az, CB, M2)
-                _store_p(psm, p, s8)
-                _barrier()  # P' and the zero-point tile visible to every warp
-            if WG:  # timing only: P·V on wgmma, without the zero-point column
-                acc = _pv_wgmma(psm, cst, acc, AL)
-            elif (ABL != 1) and (ABL != 7):  # ablations 1 and 7 (timing only): no P·V
-                acc, az = _pv(psm, words, ztm, acc, az, CB, A2, B2, ABL == 5)
+        if CB == 4:
+            cst = _view(cs.index(st), gl.int16, [512, 16], SW)
+        else:
+            cst = _view(cs.index(st), gl.int16, [512, 8], P2)
+        tok = t * BN + rows
+        valid = (tok >= SINK) & (tok < low_hi)
+        rst, s8, sr, wz, zc = _tile_meta(ms.index(st), valid, c8, S_OFF, Z_OFF, RS_OFF, RZ_OFF, AL)
+        ztm.permute((1, 0, 2)).store(gl.where(n8 == 0, zc, 0).to(gl.float16, bitcast=True))
+        xs = _tile_words(cst, rst, CB, AL)
+        x = _scores(xs, qc, qr, zb, s8, sr, wz, CB, AL, ACC) * ch[None, :]
+        # P·V's code words while the softmax runs (the tile is in shared memory since the loop's barrier)
+        words = _pv_words(cst, CB, B2)
+        # optimistic: P against the running maximum, each warp's overshoot published with P';
+        # the rare tile that passes it by more than 2^LAZY is redone after the barrier
+        x = gl.where(valid[:, None], x, float("-inf"))
+        fl.store(_over_per_warp(x, valid, m_ref))
+        p = _p(x, m_ref)
+        _store_p(psm, p, s8)
+        _barrier()  # P', the zero-point tile and the overshoots visible to every warp
+        if gl.max(fl.load(LF), axis=0) > LAZY:
+            m_ref, lacc, acc, az = _raise_max(x, m_ref, lacc, acc, az, CB, M2)
+            p = _p(x, m_ref)
+            _store_p(psm, p, s8)
+            _barrier()
+        lacc = lacc + p
+        acc, az = _pv(psm, words, ztm, acc, az, CB, A2, B2)
     for i in gl.static_range(NS):
         mbarrier.invalidate(bc.index(i))
         mbarrier.invalidate(bm.index(i))
 
-    if WG:  # timing only: each group's accumulator as 64 output channels (values wrong)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=acc)
-        l, has, lse = _lse(lacc, m_ref)
-        o_b = O + b * stride_ob + pid_s * stride_os
-        oc = gl.arange(0, 64, layout=ROWS)[:, None]
-        oh = gl.arange(0, 16, layout=COLS)[None, :]
-        for g in gl.static_range(8):
-            gl.store(o_b + oh * stride_oh + 64 * g + oc, acc[g], mask=(oh < H) & (oc >= 0))
+    # accumulators from units of 2^-24 (and of 1/16 for the odd nibbles) to units of 1: the
+    # protected rows below add into them in FP16 units
+    if CB == 4:
+        acc = (acc[0] * 16777216.0, acc[1] * 1048576.0, acc[2] * 16777216.0, acc[3] * 1048576.0)
+    else:  # code j's values were 4^(j mod 4)·n·2^-24
+        acc = (acc[0] * 16777216.0, acc[1] * 4194304.0, acc[2] * 1048576.0, acc[3] * 262144.0,
+               acc[4] * 16777216.0, acc[5] * 4194304.0, acc[6] * 1048576.0, acc[7] * 262144.0)  # fmt: skip
+    az = az * 16777216.0
+
+    if p_lo < p_hi:  # this split's protected rows
+        prot = PROT + b * stride_pb
+        one = gl.full([BN], 1.0, gl.float32, ROWS)
+        for r0 in range(p_lo, p_hi, BN):
+            _barrier()  # every warp done with the P buffer
+            valid = _prot_valid(r0 + rows, L, SINK, RECENT)
+            x = _prot_scores(prot, r0, valid, qc, qr, CB, ACC, AL, L3A) * (ch * 5.9604644775390625e-08)[None, :]
+            p, m_ref, lacc, acc, az = _softmax(x, valid, m_ref, lacc, acc, az, CB, M2)
+            _store_p(psm, p, (one, one, one, one, one, one, one, one))
+            _barrier()
+            acc = _pv_prot(psm, prot, r0, L, acc, CB, A2, B2, L3B, SINK, RECENT)
+
+    # out: O[h, 64g + (16/CB)·m + j] = (acc_j[g, h, m] − Σ_t p s z [g, h]) / l_h, four consecutive
+    # channels of one (g, h) in each thread (16-byte stores, a warp's two or four heads x 256 B contiguous)
+    l, has, lse = _lse(lacc, m_ref)
+    inv = gl.convert_layout(1.0 / gl.where(has, l, 1.0), gl.SliceLayout(0, gl.SliceLayout(2, M2)))[None, :, None]
+    nz = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, M2)))
+    zsum = gl.sum(gl.where(nz[None, None, :] == 0, az, 0.0), axis=2)[:, :, None]
+    o_b = O + b * stride_ob + pid_s * stride_os
+    if CB == 4:
+        y = gl.join(gl.join((acc[0] - zsum) * inv, (acc[2] - zsum) * inv),
+                    gl.join((acc[1] - zsum) * inv, (acc[3] - zsum) * inv))  # fmt: skip
+        _store_out(o_b, gl.convert_layout(gl.reshape(y, [8, 16, 16, 4]), LO), H, stride_oh, LO)
     else:
-        # accumulators from units of 2^-24 (and of 1/16 for the odd nibbles) to units of 1: the
-        # protected rows below add into them in FP16 units
-        if CB == 4:
-            acc = (acc[0] * 16777216.0, acc[1] * 1048576.0, acc[2] * 16777216.0, acc[3] * 1048576.0)
-        else:  # code j's values were 4^(j mod 4)·n·2^-24
-            acc = (acc[0] * 16777216.0, acc[1] * 4194304.0, acc[2] * 1048576.0, acc[3] * 262144.0,
-                   acc[4] * 16777216.0, acc[5] * 4194304.0, acc[6] * 1048576.0, acc[7] * 262144.0)  # fmt: skip
-        az = az * 16777216.0
-
-        if p_lo < p_hi:  # this split's protected rows
-            prot = PROT + b * stride_pb
-            one = gl.full([BN], 1.0, gl.float32, ROWS)
-            for r0 in range(p_lo, p_hi, BN):
-                _barrier()  # every warp done with the P buffer
-                valid = _prot_valid(r0 + rows, L, SINK, RECENT)
-                x = _prot_scores(prot, r0, valid, qc, qr, CB, ACC, AL, L3A) * (ch * 5.9604644775390625e-08)[None, :]
-                p, m_ref, lacc, acc, az = _softmax(x, valid, m_ref, lacc, acc, az, CB, M2)
-                _store_p(psm, p, (one, one, one, one, one, one, one, one))
-                _barrier()
-                acc = _pv_prot(psm, prot, r0, L, acc, CB, A2, B2, L3B, SINK, RECENT)
-
-        # out: O[h, 64g + (16/CB)·m + j] = (acc_j[g, h, m] − Σ_t p s z [g, h]) / l_h, four consecutive
-        # channels of one (g, h) in each thread (16-byte stores, a warp's two or four heads x 256 B contiguous)
-        l, has, lse = _lse(lacc, m_ref)
-        inv = gl.convert_layout(1.0 / gl.where(has, l, 1.0), gl.SliceLayout(0, gl.SliceLayout(2, M2)))[None, :, None]
-        nz = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, M2)))
-        zsum = gl.sum(gl.where(nz[None, None, :] == 0, az, 0.0), axis=2)[:, :, None]
-        o_b = O + b * stride_ob + pid_s * stride_os
-        if CB == 4:
-            y = gl.join(gl.join((acc[0] - zsum) * inv, (acc[2] - zsum) * inv),
-                        gl.join((acc[1] - zsum) * inv, (acc[3] - zsum) * inv))  # fmt: skip
-            _store_out(o_b, gl.convert_layout(gl.reshape(y, [8, 16, 16, 4]), LO), H, stride_oh, LO)
-        else:
-            y = _join8((acc[0] - zsum) * inv, (acc[1] - zsum) * inv, (acc[2] - zsum) * inv, (acc[3] - zsum) * inv,
-                       (acc[4] - zsum) * inv, (acc[5] - zsum) * inv, (acc[6] - zsum) * inv, (acc[7] - zsum) * inv)  # fmt: skip
-            _store_out(o_b, gl.convert_layout(gl.reshape(y, [8, 16, 8, 8]), LO2), H, stride_oh, LO2)
+        y = _join8((acc[0] - zsum) * inv, (acc[1] - zsum) * inv, (acc[2] - zsum) * inv, (acc[3] - zsum) * inv,
+                   (acc[4] - zsum) * inv, (acc[5] - zsum) * inv, (acc[6] - zsum) * inv, (acc[7] - zsum) * inv)  # fmt: skip
+        _store_out(o_b, gl.convert_layout(gl.reshape(y, [8, 16, 8, 8]), LO2), H, stride_oh, LO2)
     lh = gl.arange(0, 16, layout=COLS)
     if SPLIT:
         gl.store(LSE + (b * H + lh) * gl.num_programs(0) + pid_s, lse, mask=lh < H)
@@ -975,54 +880,59 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, DC, DM,
         gl.store(LSE + b * H + lh, lse, mask=lh < H)
 
 
-def decode(
-    layer,
-    block_table,
-    lengths,
-    q,
-    qpe,
-    o,
-    lse,
-    tau: float,
-    splits: int,
-    per: int,
-    maxnreg=None,
-    late_check: bool = True,
-    ablate: int = 0,
-    weight: int = 1,
-) -> None:
-    """Launch over ``splits`` splits of ``per`` work units each (:func:`.triton_decode.front_split_work`:
-    sink and ring as three tiles of ``weight`` units each, first, then the page tiles of one unit
-    each): ``q``, ``qpe`` BF16 contiguous; ``o`` (B, H, splits, d_c) and
-    ``lse`` (B, H, splits) float32 partials when ``splits > 1``, else the outputs themselves.
-    ``late_check``: the running maximum checked per warp beside P' (True) or by a reduction over
-    the tile before P (False); ``ablate`` (timing only): 1 no P·V, 2 no score products, 3 no
-    maximum check (wrong outputs), 4 no L2 prefetch of the protected rows, 5 no unpacking (the code
-    words themselves enter both products; C4R4 only), 6 no unpacking for the score products, 7 neither
-    product, 8 nothing but the page copies and the loop's barrier, 9 as 8 with boxes of 256-byte rows,
-    10 the whole kernel on such boxes (correct outputs), 11 no protected rows, 12 P·V on wgmma (channels
-    on M, P' from shared memory; without the zero-point column and the protected rows, C4R4 only)."""
+PROT_WEIGHT = 5
+"""Page tiles one protected tile weighs when a request is cut into splits (config ``prot_weight``
+overrides; bench/NOTES.md, v33)."""
+
+
+def split(case: Case) -> Split:
+    """Protected tiles first, each weighing config ``prot_weight`` (default :data:`PROT_WEIGHT`) page
+    tiles, then the page tiles (:func:`quantmla.kernels.splits.front_split_work`)."""
+    cfg = case.config
+    return front_split_work(case.layer, case.max_len, int(cfg["num_splits"]), int(cfg.get("prot_weight", PROT_WEIGHT)))
+
+
+def supports(case: Case) -> str | None:
+    """Why this kernel cannot run ``case`` (None: it can). It computes attention over the exactly
+    dequantized cache and nothing else, so it takes only ``exact`` decodes, and of those C4R4 or C2R4
+    at up to 16 heads in the page layout and on the device of :func:`.gluon_decode.hopper_format`."""
+    if not case.exact:
+        return "the exact kernel attends to the exactly dequantized cache; this decode asks for the rounded rows"
+    fmt, protected, H = case.fmt, case.layer.prot is not None, case.heads
+    if INTERPRET or fmt.content_bits not in (2, 4) or H > 16 or not hopper_format(fmt, protected, case.device):
+        return (
+            "the exact kernel takes C4R4 or C2R4 in a BF16 cache with protection buffers, group 64, d_c 512, d_r 64, "
+            f"at most 16 heads, on a Hopper (sm_90) GPU, compiled (not the Triton interpreter); got {fmt.name} in "
+            f"{fmt.dtype}, group {fmt.group}, d_c {fmt.d_c}, d_r {fmt.d_r}, {H} heads, protection "
+            f"{'on' if protected else 'off'}, device {case.device}"
+        )
+    return None
+
+
+def launch(case: Case, sp: Split, block_table, lengths, q, qpe, o, lse, tau: float) -> None:
+    """Launch over ``sp.splits`` splits of ``sp.per`` work units each (:func:`split`: sink and ring as
+    three tiles of ``prot_weight`` units each, first, then the page tiles of one unit each): ``q``,
+    ``qpe`` BF16 contiguous; ``o`` (B, H, splits, d_c) and ``lse`` (B, H, splits) float32 partials
+    when ``splits > 1``, else the outputs themselves. Config ``maxnreg`` caps the registers."""
+    layer, cfg = case.layer, case.config
     B, H, _ = q.shape
     fmt = layer.fmt
-    if ablate in (5, 6, 12) and fmt.content_bits != 4:
-        raise ValueError("ablations 5, 6 and 12 time C4R4 pages only")
     prot = layer.prot
-    prot_per, prot_end = front_share(per, weight, -(-(layer.sink + layer.recent) // 64))
-    _exact16_kernel[(splits, B)](
-        q, qpe, o, lse, block_table, lengths, prot, *descriptors(layer.pool, fmt.content_bits, ablate in (9, 10)),
+    weight = int(cfg.get("prot_weight", PROT_WEIGHT))
+    prot_per, prot_end = front_share(sp.per, weight, -(-(layer.sink + layer.recent) // 64))
+    _exact16_kernel[(sp.splits, B)](
+        q, qpe, o, lse, block_table, lengths, prot, *descriptors(layer.pool, fmt.content_bits),
         H, q.stride(0), q.stride(1), qpe.stride(0), qpe.stride(1), prot.stride(0),
-        o.stride(0), o.stride(1), o.stride(2), block_table.stride(0), per, prot_per, prot_end, tau * LOG2E,
-        **constexprs(fmt, layer.sink, layer.recent, splits > 1, late_check, ablate),
-        num_warps=WARPS, maxnreg=maxnreg,
+        o.stride(0), o.stride(1), o.stride(2), block_table.stride(0), sp.per, prot_per, prot_end, tau * LOG2E,
+        **constexprs(fmt, layer.sink, layer.recent, sp.splits > 1),
+        num_warps=WARPS, maxnreg=cfg.get("maxnreg"),
     )  # fmt: skip
 
 
-def descriptor_blocks(cb: int, wide: bool = False) -> dict:
+def descriptor_blocks(cb: int) -> dict:
     """The block shape (in 16-bit words) and shared layout of the kernel's two TMA descriptors over a
     pool of ``cb``-bit content pages: ``DC`` the content codes, ``DM`` the 4 KB from the RoPE codes on
     (those codes and the metadata)."""
-    if wide:
-        return dict(DC=([64 * cb // 4, 128], NV0.value), DM=([16, 128], NV0.value))
     content = ([8, 64, 16], NV32_3.value) if cb == 4 else ([2, 256, 8], NV0_3.value)
     return dict(DC=content, DM=([128, 16], NV0.value))
 
@@ -1030,13 +940,13 @@ def descriptor_blocks(cb: int, wide: bool = False) -> dict:
 _DESCRIPTORS: dict = {}  # id(pool) -> (weak reference to the pool, content bits, descriptors)
 
 
-def descriptors(pool: torch.Tensor, cb: int, wide: bool = False) -> tuple:
+def descriptors(pool: torch.Tensor, cb: int) -> tuple:
     """The TMA descriptors of :func:`descriptor_blocks` over ``pool`` (pages x bytes, uint8), viewed as
     16-bit words: (pages x 8 or 2 boxes, rows, words) for ``DC``, rows of 32 B for ``DM``. Kept per pool
     tensor; the entries of pools that are gone (a pool that grows is a new tensor) are dropped at the
     next new one."""
     hit = _DESCRIPTORS.get(id(pool))
-    if hit is not None and hit[0]() is pool and hit[1] == (cb, wide):
+    if hit is not None and hit[0]() is pool and hit[1] == cb:
         return hit[2]
     for k in [k for k, v in _DESCRIPTORS.items() if v[0]() is None]:
         del _DESCRIPTORS[k]
@@ -1044,14 +954,14 @@ def descriptors(pool: torch.Tensor, cb: int, wide: bool = False) -> tuple:
 
     words = pool.view(torch.int16)
     out = []
-    for block, layout in descriptor_blocks(cb, wide).values():
+    for block, layout in descriptor_blocks(cb).values():
         rows = words.view(-1, *block[1:])
         out.append(TensorDescriptor(rows, list(rows.shape), list(rows.stride()), block, layout))
-    _DESCRIPTORS[id(pool)] = (weakref.ref(pool), (cb, wide), tuple(out))
+    _DESCRIPTORS[id(pool)] = (weakref.ref(pool), cb, tuple(out))
     return tuple(out)
 
 
-def constexprs(fmt, sink: int, recent: int, split: bool, late_check: bool = True, ablate: int = 0) -> dict:
+def constexprs(fmt, sink: int, recent: int, split: bool) -> dict:
     """The kernel's compile-time arguments for pages of ``fmt`` (also what ``bench/gluon_sass.py
     --exact`` compiles for sm_90 without a GPU)."""
     regions = dict(R_OFF="R_codes", S_OFF="C_scale", RS_OFF="R_scale", Z_OFF="C_zero", RZ_OFF="R_zero")
@@ -1062,22 +972,7 @@ def constexprs(fmt, sink: int, recent: int, split: bool, late_check: bool = True
     boxes = (off["R_OFF"], off["S_OFF"] - off["R_OFF"], fmt.page_bytes - off["R_OFF"])
     if boxes != (512 * 8 * fmt.content_bits, 2048, 4096) or {k: off[k] - off["S_OFF"] for k in meta} != meta:
         raise ValueError(f"the exact decode kernel does not read pages laid out as {fmt.regions}")
-    return dict(
-        PAGE_BYTES=fmt.page_bytes, **off,
-        SINK=sink, RECENT=recent, SPLIT=split, CHECK_LATE=late_check, ABL=ablate, CB=fmt.content_bits,
-        WIDE=ablate in (9, 10),
-    )  # fmt: skip
+    return dict(PAGE_BYTES=fmt.page_bytes, **off, SINK=sink, RECENT=recent, SPLIT=split, CB=fmt.content_bits)
 
 
-def applies(layer, H: int, device) -> bool:
-    """Whether this kernel takes ``layer`` for ``H`` heads on ``device``: C4R4 or C2R4, at most 16 heads, in
-    the page layout :func:`.gluon_decode.hopper_page` describes."""
-    return takes(layer.fmt, layer.prot is not None, H, device)
-
-
-def takes(fmt, protected: bool, H: int, device) -> bool:
-    """:func:`applies` before any layer exists: a page format, whether it has protection buffers."""
-    return fmt.content_bits in (2, 4) and H <= 16 and hopper_format(fmt, protected, device)
-
-
-__all__ = ["applies", "decode", "takes"]
+__all__ = ["NAME", "PROT_WEIGHT", "constexprs", "descriptor_blocks", "launch", "split", "supports"]

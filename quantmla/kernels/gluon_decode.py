@@ -16,14 +16,14 @@ of the 227 KB of shared memory; O^T is four 128 x 64 float32 accumulators (128 r
 thread). P enters P·V as one BF16 tile, as in the Triton kernel above 16 heads. Codes are unpacked
 eight (4-bit) or sixteen (2-bit) per 32-bit word by one PTX block into a channel order permuted
 within each 8- or 16-channel block; the queries, protected rows and the output use the same order. Splits and the
-LSE merge are the Triton kernel's; the protected rows are not: the sink rows are swapped into page tile 0
-as it is rebuilt (in the prologue of split 0), and the last split attends to the recent ring alone, two
-tiles of 64 where the Triton kernel takes three for sink and ring (``triton_decode.split_work``).
+LSE merge are those of :mod:`.splits`; the sink rows are swapped into page tile 0 as it is rebuilt (in the
+prologue of split 0), and the last split attends to the recent ring alone, two tiles of 64 where sink and
+ring as protected tiles of their own take three (:func:`split`).
 
-Takes C4R4 or C2R4 in a BF16 cache (group 64, d_c 512, d_r 64) with protection buffers, on a Hopper GPU;
-:func:`applies` says when, and :func:`quantmla.kernels.triton_decode.decode` dispatches here for
-those layers unless config ``gluon`` is False. Gluon has no interpreter: the CPU test suite cannot
-run this file, the GPU tests do (``tests/test_kernels_decode.py``).
+Takes C4R4 or C2R4 in a BF16 cache (group 64, d_c 512, d_r 64) with protection buffers, above 16 heads
+with P as one BF16 tile, on a Hopper GPU (:func:`supports` says when and why not);
+:mod:`quantmla.kernels.dispatch` runs it where it does, unless config ``gluon`` is False. Gluon has no
+interpreter: the CPU test suite cannot run this file, the GPU tests do (``tests/test_kernels_decode.py``).
 """
 
 from __future__ import annotations
@@ -36,9 +36,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from quantmla.kernels._tiles import region_args
+from quantmla.kernels._tiles import INTERPRET, LOG2E, region_args
+from quantmla.kernels.splits import Case, Split, split_work
 
-LOG2E = 1.4426950408889634
+NAME = "gluon"
 PERM8 = (0, 2, 4, 6, 1, 3, 5, 7)  # position p of an 8-channel block holds channel PERM8[p]
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # a CTA barrier (Triton 3.6 / later names)
 
@@ -428,7 +429,7 @@ def _h64_decode_kernel(Q, QPE, O, LSE, BT, LENS, PROT,
 
     low_hi = L - RECENT  # tokens SINK <= t < L - RECENT are read from the pages
     sink_hi = gl.minimum(L, SINK)  # tokens t < SINK from the protection buffer, in page tile 0
-    n_tiles = gl.cdiv(gl.minimum(gl.maximum(low_hi, SINK), L), BN)  # as triton_decode.split_work counts them
+    n_tiles = gl.cdiv(gl.minimum(gl.maximum(low_hi, SINK), L), BN)  # as splits.work counts them
     t_lo = pid_s * tiles_per_split
     t_hi = gl.minimum(t_lo + tiles_per_split, n_tiles)
     m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(0, ACC_S))
@@ -507,28 +508,58 @@ def _h64_decode_kernel(Q, QPE, O, LSE, BT, LENS, PROT,
         gl.store(LSE + b * H + lh, lse, mask=lh < H)
 
 
-def decode(layer, block_table, lengths, q, qpe, o, lse, tau: float, splits: int, per: int) -> None:
-    """Launch over ``splits`` splits of ``per`` work tiles each (:func:`.triton_decode.split_work`):
-    ``q``, ``qpe`` BF16 contiguous; ``o`` (B, H, splits, d_c) and ``lse`` (B, H, splits) float32
-    partials when ``splits > 1``, else the outputs themselves (viewed (B, H, 1, d_c) and (B, H))."""
+MIN_TILES = 4
+"""Fewest tiles per split: with 1-2 the kernel's prologue (the query block and the first tile, not
+overlapped) costs more than the overlap wins (H=128, B=1, L <= 8K: 18 % slower than the Triton
+kernel at 1-2 tiles per split, 5 % faster at 8; bench/NOTES.md, v15)."""
+
+
+def split(case: Case) -> Split:
+    """The even split of 64-token tiles with the sink in page tile 0 (the protected tiles are the ring's)."""
+    return split_work(case.layer, case.max_len, 64, int(case.config["num_splits"]), sink_in_tile0=True)
+
+
+def supports(case: Case) -> str | None:
+    """Why this kernel cannot run ``case`` (None: it can): config ``gluon`` on, P as one BF16 tile,
+    64-token tiles, more than 16 heads, C4R4 or C2R4 with a sink that fits page tile 0, the page
+    layout and device of :func:`hopper_page`, and at least :data:`MIN_TILES` tiles per split."""
+    cfg, layer = case.config, case.layer
+    if case.exact:
+        return "the Gluon 64-head kernel attends to the rows rounded to BF16, not the exactly dequantized cache"
+    if INTERPRET:
+        return "Gluon kernels do not run in the Triton interpreter"
+    if not cfg.get("gluon"):
+        return "config gluon is off"
+    if cfg.get("pv_split", True) or cfg["block_n"] != 64:
+        return "it takes P as one BF16 tile (pv_split=False) and 64-token tiles (block_n=64)"
+    if case.heads <= 16:
+        return f"it takes more than 16 heads, got {case.heads}"
+    if layer.fmt.content_bits not in (2, 4) or layer.sink > 64:
+        return f"it takes C4R4 or C2R4 with a sink of at most 64 rows, got {layer.fmt.name} with sink {layer.sink}"
+    if not hopper_page(layer, case.device):
+        return "it takes 4-bit RoPE codes in a BF16 cache, group 64, d_c 512, d_r 64, protection on, on an sm_90 GPU"
+    if split(case).per < MIN_TILES:
+        return f"splits shorter than {MIN_TILES} tiles run faster on the Triton kernel"
+    return None
+
+
+def launch(case: Case, sp: Split, block_table, lengths, q, qpe, o, lse, tau: float) -> None:
+    """Launch over ``sp.splits`` splits of ``sp.per`` work tiles each (:func:`split`): ``q``, ``qpe``
+    BF16 contiguous; ``o`` (B, H, splits, d_c) and ``lse`` (B, H, splits) float32 partials when
+    ``splits > 1``, else the outputs themselves (viewed (B, H, 1, d_c) and (B, H))."""
+    layer = case.layer
     B, H, _ = q.shape
     c = region_args(layer, "C")
     r = region_args(layer, "R")
     prot = layer.prot
-    _h64_decode_kernel[(triton.cdiv(H, 64), splits, B)](
+    _h64_decode_kernel[(triton.cdiv(H, 64), sp.splits, B)](
         q, qpe, o, lse, block_table, lengths, prot,
         c[1], c[2], c[3], c[5], c[6], c[7],
         r[1], r[2], r[3], r[5], r[6], r[7],
         H, q.stride(0), q.stride(1), qpe.stride(0), qpe.stride(1), prot.stride(0),
-        o.stride(0), o.stride(1), o.stride(2), block_table.stride(0), per, tau * LOG2E,
-        SINK=layer.sink, RECENT=layer.recent, SPLIT=splits > 1, C_BITS=layer.fmt.content_bits, num_warps=8,
+        o.stride(0), o.stride(1), o.stride(2), block_table.stride(0), sp.per, tau * LOG2E,
+        SINK=layer.sink, RECENT=layer.recent, SPLIT=sp.splits > 1, C_BITS=layer.fmt.content_bits, num_warps=8,
     )  # fmt: skip
-
-
-def applies(layer, H: int, device) -> bool:
-    """Whether this kernel takes ``layer`` for ``H`` heads on ``device``: C4R4 or C2R4, more than 16
-    heads, sink rows that fit in page tile 0 (64), in the page layout :func:`hopper_page` describes."""
-    return layer.fmt.content_bits in (2, 4) and H > 16 and layer.sink <= 64 and hopper_page(layer, device)
 
 
 def hopper_page(layer, device) -> bool:
@@ -553,4 +584,4 @@ def _sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
 
 
-__all__ = ["applies", "decode", "hopper_format", "hopper_page"]
+__all__ = ["MIN_TILES", "NAME", "hopper_format", "hopper_page", "launch", "split", "supports"]

@@ -102,11 +102,10 @@ def decode(
 
     q_lat (B, H, d_c), q_pe (B, H, d_r). Returns the latent output (B, H, d_c) and the
     log-sum-exp (B, H), float32 (0 and -inf for an empty request), written into ``out``
-    when given. ``config`` tunes the kernel and is ignored here, but for its key ``exact``, which
-    is the same as ``exact``: the dequantized rows are then ``s·(q − z)`` computed in float64 and
-    kept there, not rounded to the cache dtype, and the attention runs in float64.
+    when given. ``config`` tunes the kernels and is ignored here. With ``exact`` the dequantized
+    rows are ``s·(q − z)`` computed in float64 and kept there, not rounded to the cache dtype, and
+    the attention runs in float64.
     """
-    exact = exact or bool((config or {}).get("exact"))
     fmt = layer.fmt
     cd = torch.float64 if exact else compute_dtype(fmt.dtype)
     B, H, _ = q_lat.shape

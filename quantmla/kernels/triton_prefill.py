@@ -33,6 +33,7 @@ import triton.language as tl
 from quantmla.kernels import fit
 from quantmla.kernels._tiles import (
     INTERPRET,
+    LOG2E,
     anchor,
     container_bits,
     dot,
@@ -45,7 +46,6 @@ from quantmla.kernels._tiles import (
     tl_dtype,
 )
 from quantmla.kernels.layout import PAGE
-from quantmla.kernels.triton_decode import LOG2E
 
 
 @triton.jit

@@ -1,108 +1,25 @@
-"""The method registry: a method is a validated config dataclass plus a handler.
-
-A handler turns a model whose MLA layers run through :class:`~quantmla.attention.LatentAttention`
-(unquantized while it works) into the model the method evaluates: ``calibrate`` derives or
-learns transforms from data, ``fuse`` folds them into the weights offline. RTN lives in
-``baselines/`` with SmoothQuant† and QuaRot†; QuantMLA in this package. All of them
-register here, by config class, and share the quantizer and the adapter.
+"""The methods: RTN, SmoothQuant† and QuaRot† (``baselines/``) and QuantMLA
+(:mod:`quantmla.methods.quantmla`), each registered with :mod:`quantmla.registry`, looked up here
+by config class.
 
 The BF16 reference is ``bits=c16r16``, whatever the method.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any, ClassVar
+import baselines  # noqa: F401  (registers RTN and the baselines)
+from quantmla.methods import quantmla  # noqa: F401  (registers QuantMLA)
+from quantmla.registry import Method, MethodConfig, MethodContext, register, registered
 
-import torch
-
-from quantmla.cache import CacheSpec
-from quantmla.data import CalibrationData
-from quantmla.mla import MLA
-
-
-@dataclass
-class MethodConfig:
-    name: ClassVar[str] = ""
-
-    def to_dict(self) -> dict:
-        return {"name": self.name} | asdict(self)
-
-
-@dataclass
-class MethodContext:
-    """What a handler may use besides the model."""
-
-    spec: CacheSpec
-    tokenizer: Any = None
-    model_name: str = ""
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    cache_dir: Path = Path("runs/.transforms")
-    calibration: CalibrationData = field(default_factory=CalibrationData)
-    progress: bool = True
-
-
-class Method:
-    needs_data: ClassVar[bool] = False
-    """True if ``calibrate`` reads calibration text (checked before any model is loaded)."""
-
-    def __init__(self, config: MethodConfig):
-        self.config = config
-        self.info: dict = {}  # numbers worth recording with the run (chosen α, losses, costs)
-        self.stored: dict[str, Path] = {}  # folder of the stored transforms each path used (methods that store them)
-
-    def check(self, spec: CacheSpec) -> None:
-        """Raise ValueError for a config this method cannot run, before anything heavy."""
-
-    def check_dims(self, d_c: int, d_r: int) -> None:
-        """Raise ValueError if the method cannot transform latents of these widths."""
-
-    def online_work(self, spec: CacheSpec) -> str | None:
-        """What the method computes at inference besides the fused weights, in words; None when its
-        whole transform folds into the weights (the fused model is then a plain checkpoint)."""
-        return None
-
-    def calibrate(self, model, adapters: list[MLA], ctx: MethodContext) -> dict:
-        return {}
-
-    def fuse(self, model, adapters: list[MLA], transforms: dict, ctx: MethodContext) -> None:
-        pass
-
-    def apply(self, model, adapters: list[MLA], ctx: MethodContext) -> dict:
-        transforms = self.calibrate(model, adapters, ctx)
-        self.fuse(model, adapters, transforms, ctx)
-        return transforms
-
-
-_REGISTRY: dict[type[MethodConfig], type[Method]] = {}
-
-
-def register(config_cls: type[MethodConfig]):
-    """Class decorator registering a handler for ``config_cls``."""
-
-    def wrap(handler: type[Method]) -> type[Method]:
-        if not config_cls.name:
-            raise ValueError(f"{config_cls.__name__} needs a class attribute 'name'")
-        _REGISTRY[config_cls] = handler
-        return handler
-
-    return wrap
+__all__ = ["Method", "MethodConfig", "MethodContext", "get", "names", "register"]
 
 
 def names() -> list[str]:
-    _load_builtin()
-    return sorted(c.name for c in _REGISTRY)
+    return sorted(c.name for c in registered())
 
 
 def get(config: MethodConfig) -> Method:
-    _load_builtin()
-    handler = _REGISTRY.get(type(config))
+    handler = registered().get(type(config))
     if handler is None:
         raise ValueError(f"no method registered for {type(config).__name__}; registered: {', '.join(names())}")
     return handler(config)
-
-
-def _load_builtin() -> None:
-    import baselines  # noqa: F401  (registers RTN and the baselines)
-    from quantmla.methods import quantmla  # noqa: F401  (registers QuantMLA)

@@ -54,8 +54,8 @@ from quantmla.calibration import (
     rope_loss,
 )
 from quantmla.files import one_writer, reason, remove_stale_temps, replacing, set_aside, write_atomic
-from quantmla.methods import Method, MethodConfig, MethodContext, register
 from quantmla.optim import Schedule, train_path
+from quantmla.registry import Method, MethodConfig, MethodContext, register
 from quantmla.transforms import (
     LayerTransform,
     cayley,

@@ -3,6 +3,12 @@
 Each spec's ``hf_config()`` reads only the config (no weights), so a sweep is validated
 before anything heavy happens. Nothing here reaches a model hub unless the user sets
 ``allow_download``; a missing checkpoint is an error that says how to get it.
+
+What a run loads: the specs here (:class:`PretrainedModel`, a checkpoint folder or hub name) and
+in :mod:`.embedded` (``model=smollm2_mla``, assembled on first use by :mod:`.build` from
+:mod:`.smollm2_mla`'s conversion and the stored healed tensors), :mod:`.tiny` (the test model) and
+:mod:`.weights` (what a checkpoint's weights are). The embedded model's one-off tooling (healing
+text, healing, measuring) is :mod:`.tooling`, which no run imports.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ model pairs channels (i, i + 32) (``rotate_half``); DeepseekV2 pairs (2i, 2i + 1
 
 ``kv_a_layernorm`` (an RMSNorm the Llama model does not have) gets a uniform weight equal
 to the latent's typical RMS, so that C matches the raw latent at a typical token;
-healing (:mod:`quantmla.models.heal`) trains the model to the normalised latent.
+healing (:mod:`quantmla.models.tooling.heal`) trains the model to the normalised latent.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Two steps, one command each::
 
-    python -m quantmla.models.heal prepare --out DIR     # CPU: tokenized training windows
-    python -m quantmla.models.heal train --data DIR --out DIR [--gguf FILE] [--minutes 4]
+    python -m quantmla.models.tooling.heal prepare --out DIR     # CPU: tokenized training windows
+    python -m quantmla.models.tooling.heal train --data DIR --out DIR [--gguf FILE] [--minutes 4]
 
 ``train`` (one GPU) calibrates the RoPE mixing on training windows, converts the model,
 then minimises KL(teacher ‖ student) over the next-token distributions, teacher = the
@@ -39,7 +39,7 @@ VAL_FRACTION = 0.02
 def prepare(out: Path, seq_len: int = 4096) -> dict:
     """Tokenize every healing source into windows of ``seq_len`` tokens; the last 2% of each is validation."""
     from quantmla import data
-    from quantmla.models import corpus
+    from quantmla.models.tooling import corpus
 
     _, tok = S.load_source()
     train, val, counts = [], [], {}
@@ -263,7 +263,7 @@ def train(args) -> dict:
         "seconds": round(time.time() - t0, 1),
         "device": torch.cuda.get_device_name() if dev.type == "cuda" else platform.processor(),
         "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__},
-        "command": "python -m quantmla.models.heal " + " ".join(sys.argv[1:]),
+        "command": "python -m quantmla.models.tooling.heal " + " ".join(sys.argv[1:]),
     }
     meta["build_check"] = build_check(student, src, tensors, val_w[:1], dev)
     log(f"build check: {meta['build_check']}")
@@ -293,7 +293,7 @@ def load_file_meta(path: Path) -> str:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m quantmla.models.heal", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m quantmla.models.tooling.heal", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare", help="tokenize the healing text (CPU)")
     p.add_argument("--out", required=True)

