@@ -10,7 +10,7 @@ Prints, per content width: registers, stack (spill) bytes, shared memory, and fo
 the kernel its instruction count, its HGMMA (wgmma) and HMMA (mma.sync) counts, its local-memory
 accesses (``LDL``/``STL``: spills), its TMA (``UTMALDG``) and ``cp.async`` (``LDGSTS``) copies and its ``BSSY`` count (divergent regions:
 the page loop is faster when ptxas compiles its cross-warp reductions predicated, with none;
-docs/kernel-design-notes.md). Uses the installed Triton's compiler and ``cuobjdump``; the
+docs/kernels.md). Uses the installed Triton's compiler and ``cuobjdump``; the
 H200 runs Triton 3.6, whose ``ptxas`` gave the counts the tests check (other versions schedule
 differently). With ``--triton`` it prints the Triton kernel's registers, spills, shared memory
 and its ``HMMA`` (mma.sync) counts by kind: on a machine without a GPU, this is the check that the
@@ -125,8 +125,9 @@ def compile_prefill_sass(bits: int, exact: bool) -> tuple[str, str, int, dict]:
     cfg = triton_prefill.default_config(16, 1024, layer.fmt, True, exact)
     consts = dict(DC=512, DCP=512, DR=64, G=64, C_BITS=bits, R_BITS=4, C_W=container_bits(bits), R_W=4, QUANT=True,
                   SINK=4, RECENT=128, PAGE_SIZE=64, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], PV_SPLIT=True,
-                  IEEE=False, KV=triton.language.bfloat16, INTERP=False, EXACT=exact)  # fmt: skip
-    pointers = dict(Q="bf16", QPE="bf16", O="fp32", LSE="fp32", C="bf16", KP="bf16", KVLEN="i64", QLEN="i64", BT="i32")
+                  IEEE=False, KV=triton.language.bfloat16, INTERP=False, EXACT=exact, DEQ=not exact)  # fmt: skip
+    pointers = dict(Q="bf16", QPE="bf16", O="fp32", LSE="fp32", C="bf16", KP="bf16", KVLEN="i64", QLEN="i64", BT="i32",
+                    DQC="bf16", DQR="bf16")  # fmt: skip
     return (*_sass(_compile_triton(triton_prefill._prefill_kernel, layer, consts, pointers, cfg)), cfg)
 
 
