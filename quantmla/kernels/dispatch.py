@@ -34,12 +34,12 @@ from quantmla.kernels.splits import Case, Split
 
 TILES = {
     # (H > 16, quantized) -> tiles, warps, pipeline depth, content chunks: the fastest of
-    # bench/decode.py --tune on the H200 (bench/NOTES.md, v3, v6 and v13). Four-warp programs run
-    # two per SM. Above 16 heads, P enters P·V as one BF16 tile (FlashMLA's precision): that is
-    # what lets 64-head programs compile to wgmma, one program per 64 heads reconstructing each
-    # tile once. Four content chunks cut the registers a reconstructed tile holds (v13). Where the
-    # Gluon Hopper kernel takes the case (C4R4 and C2R4, see gluon_decode.supports), it runs instead
-    # (v15). At up to 16 heads the default keeps the hi/lo P.
+    # bench/decode.py --tune on the H200 (docs/kernels.md). Four-warp programs run two per SM.
+    # Above 16 heads, P enters P·V as one BF16 tile (FlashMLA's precision): that is what lets
+    # 64-head programs compile to wgmma, one program per 64 heads reconstructing each tile once.
+    # Four content chunks cut the registers a reconstructed tile holds. Where the Gluon Hopper
+    # kernel takes the case (C4R4 and C2R4, see gluon_decode.supports), it runs instead (config
+    # gluon). At up to 16 heads the default keeps the hi/lo P (float32 accuracy).
     (False, False): dict(block_h=16, block_n=64, num_warps=4, num_stages=2, chunks=4),
     (False, True): dict(block_h=16, block_n=64, num_warps=4, num_stages=2, chunks=4),
     (True, False): dict(block_h=64, block_n=64, num_warps=8, num_stages=2, pv_split=False),

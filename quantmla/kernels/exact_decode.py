@@ -2,8 +2,9 @@
 the codes enter the tensor cores as the integers they are, and the scales and zero-points are
 applied to the products instead of to every element.
 
-The Triton kernel reconstructs s·(q − z) in BF16 for every element of every tile, which is ~1,100 values per token on the CUDA cores; that work, not the
-bytes, is what holds them to BF16's speed (bench/NOTES.md, "Where it stands"). Here a 4-bit code
+The Triton kernel reconstructs s·(q − z) in BF16 for every element of every tile, which is ~1,100
+values per token on the CUDA cores; that work, not the bytes, is what holds it to BF16's speed
+(docs/kernel-design-notes.md). Here a 4-bit code
 becomes an FP16 number with one logical operation per two codes and no arithmetic: the bits
 ``0x000n`` read as FP16 are the subnormal n·2^-24, exactly, and ``0x00n0`` is 16·n·2^-24. With
 per-token group scales the algebra of absorbed attention allows the rest to move off the
@@ -14,10 +15,10 @@ elements (g: one 64-channel group, t: a token, h: a head)::
 
 so per token the CUDA cores turn 1,088 codes into FP16 (two unpackings, one per product) and
 scale 16 heads x 9 groups of partial scores and 16 x 8 entries of P, instead of reconstructing
-1,088 values. The result is attention over the exact ``s·(q − z)``: the cache is read as the spec's
-Eq. 35-36 define it, without the BF16 rounding of the reconstructed tile that the paper's kernel and
+1,088 values. The result is attention over the exact ``s·(q − z)``: the cache is read as the paper's
+eqs. 35-36 define it, without the BF16 rounding of the reconstructed tile that the paper's kernel and
 :mod:`.reference` apply (the two differ by that rounding, which at large scores the softmax
-amplifies; bench/NOTES.md v19). P enters P·V in FP16 (11 significant bits, where FlashMLA's BF16 P
+amplifies). P enters P·V in FP16 (11 significant bits, where FlashMLA's BF16 P
 has 8). :func:`quantmla.kernels.reference.decode` with ``exact=True`` is this kernel's reference.
 
 2-bit content codes (C2R4; the RoPE codes stay 4-bit) take the same path with other masks: code i
@@ -33,7 +34,7 @@ registers and 103 KB of shared memory each at C4R4, 79 KB at C2R4):
 - the page (codes, scales and zero-points) is copied to shared memory by the TMA two tiles ahead,
   into one of three stages, in two boxes (the content codes with the 32-byte swizzle that keeps
   ``ldmatrix`` free of bank conflicts; then the RoPE codes and the metadata), one thread issuing them
-  and an mbarrier per stage and box saying when they have landed (bench/NOTES.md v29-v30);
+  and an mbarrier per stage and box saying when they have landed;
 - scores: for each of the 9 groups (8 content, 1 RoPE), ``ldmatrix`` gives each thread its wgmma
   A fragment of 16-bit code words (4 channels each), one PTX block turns each word pair into four
   FP16 pairs (nibble j of each word: channel 4m + j), and four ``wgmma.m64n16k16`` (tokens on M,
@@ -41,7 +42,7 @@ registers and 103 KB of shared memory each at C4R4, 79 KB at C2R4):
   give the group's partial scores, which one FMA per element scales into the tile's scores; the
   zero-point term of all 9 groups is three more wgmma (s·z and the query sums as FP16 hi/lo pairs).
   The nine groups' loads are all issued when the score phase starts, and P·V's before the softmax,
-  so that no unpacking waits on its ``ldmatrix`` (bench/NOTES.md v28);
+  so that no unpacking waits on its ``ldmatrix``;
 - online softmax with a lazy maximum: P is taken against the running maximum, and each warp
   publishes by how much its scores pass it beside P' (no reduction across warps before P); only a
   tile that passes it by more than 2^LAZY (``LAZY``, log2 units) raises it, rescales everything
@@ -53,23 +54,22 @@ registers and 103 KB of shared memory each at C4R4, 79 KB at C2R4):
 
 The protected rows (sink and ring, BF16) are three work tiles before the page tiles, each weighing
 :data:`PROT_WEIGHT` page tiles when a request is cut into splits (:func:`split`:
-a protected tile takes 3–5 page tiles' time, and a split that held two or three of them on
-top of a full share of page tiles ran last, bench/NOTES.md v33); a split attends to its page tiles
+a protected tile reads its BF16 rows outside the page pipeline and takes several page tiles' time,
+so a split holding two or three of them on top of a full share of page tiles would finish last); a
+split attends to its page tiles
 first, then to its protected rows. They enter both products as FP16 (exact for magnitudes in
 [2^-14, 65504], as cached latents are) through the same accumulators, once these have been brought
-from the codes' 2^-24 units to units of 1. The LSE merge is :func:`quantmla.kernels.splits.merge`. Range: P <= 2^LAZY
-and P' = P·s in FP16 take content scales below 4,000 (group ranges
+from the codes' 2^-24 units to units of 1. The LSE merge is :func:`quantmla.kernels.splits.merge`.
+Range: P <= 2^LAZY and P' = P·s in FP16 take content scales below 4,000 (group ranges
 below 60,000 at 4 bits, 12,000 at 2).
 
-Measured on the H200 (bench/NOTES.md v24-v33; sweep ``decode-20261203-132456``): at 16 heads,
-batch >= 32 and 8K tokens or more, C4R4 at 1.56-1.88x the speed of C16R16 and C2R4 at 1.64-1.98x,
-where the default kernels run them at 0.89-0.97x and 0.91-0.99x; 1.64x and 1.72x at batch 1 and
-128K; slower than C16R16 at batch 1 and short contexts (0.82x at 4K), where each split holds
-one tile. C2R4's loop issues 4 % fewer instructions than C4R4's, with the same unpacking per code.
+Where it is faster than C16R16 and where not (batch 1 and short contexts, where each split holds
+one tile): docs/kernels.md.
 
-Takes C4R4 or C2R4 in a BF16 cache (group 64, d_c 512, d_r 64, protection buffers on) for at most 16 heads
-on a Hopper GPU (:func:`supports` says when and why not). No interpreter runs Gluon: the GPU tests cover this file, and
-``python bench/gluon_sass.py --exact`` compiles it for sm_90 without a GPU.
+Takes C4R4 or C2R4 in a BF16 cache (group 64, d_c 512, d_r 64, protection buffers on) for at most
+16 heads on a Hopper GPU, and only ``exact`` decodes (:func:`supports` says when and why not). No
+interpreter runs Gluon: the GPU tests cover this file, and ``python bench/gluon_sass.py --exact``
+compiles it for sm_90 without a GPU.
 """
 
 from __future__ import annotations
@@ -882,7 +882,8 @@ def _exact16_kernel(Q, QPE, O, LSE, BT, LENS, PROT, DC, DM,
 
 PROT_WEIGHT = 5
 """Page tiles one protected tile weighs when a request is cut into splits (config ``prot_weight``
-overrides; bench/NOTES.md, v33)."""
+overrides): a protected tile reads its BF16 rows outside the page pipeline, so it costs several page
+tiles' time (docs/kernels.md)."""
 
 
 def split(case: Case) -> Split:

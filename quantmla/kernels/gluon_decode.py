@@ -509,9 +509,8 @@ def _h64_decode_kernel(Q, QPE, O, LSE, BT, LENS, PROT,
 
 
 MIN_TILES = 4
-"""Fewest tiles per split: with 1-2 the kernel's prologue (the query block and the first tile, not
-overlapped) costs more than the overlap wins (H=128, B=1, L <= 8K: 18 % slower than the Triton
-kernel at 1-2 tiles per split, 5 % faster at 8; bench/NOTES.md, v15)."""
+"""Fewest tiles per split: with one or two the kernel's prologue (the query block and the first tile,
+not overlapped) costs more than the overlap wins, and the Triton kernel is faster (docs/kernels.md)."""
 
 
 def split(case: Case) -> Split:

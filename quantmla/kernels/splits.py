@@ -173,7 +173,7 @@ def merge(op, lsep, o, lse) -> None:
     if splits == 1:
         return
     # every split in one block (up to 512), columns so that a program holds ~8K partial values:
-    # one pass, and at batch 1 hundreds of programs (v25)
+    # one pass, and at batch 1 hundreds of programs
     block_s = min(512, triton.next_power_of_2(splits))
     block_d = min(d_c & -d_c, max(16, 8192 // block_s))  # a power of two dividing d_c
     _combine_kernel[(B * H, d_c // block_d)](op, lsep, o, lse, splits, DC=d_c, BLOCK_S=block_s, BLOCK_D=block_d)

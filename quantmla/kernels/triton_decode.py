@@ -1,4 +1,4 @@
-"""Decode attention over the paged cache (the paper's §8.3) as a Triton kernel: split-KV, fused
+"""Decode attention over the paged cache (the paper's §3.3, App. C.5, Fig. 8) as a Triton kernel: split-KV, fused
 dequant, one softmax.
 
 Grid ``(head blocks, splits, batch)``. A program takes ``BLOCK_H`` query heads of one request
@@ -381,7 +381,7 @@ def swaps_sink(sink: int, block_n: int) -> bool:
 def split(case: Case) -> Split:
     """The even split of :func:`quantmla.kernels.splits.split_work`, with the sink in page tile 0
     at up to 16 heads where splits hold more than one tile: alone, the peeled tile 0 takes longer
-    than a protected tile of its own (bench/NOTES.md, v22)."""
+    than a protected tile of its own."""
     layer, cfg = case.layer, case.config
     bn, ns = cfg["block_n"], int(cfg["num_splits"])
     plain = split_work(layer, case.max_len, bn, ns)
