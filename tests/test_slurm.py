@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import socket
 import sqlite3
@@ -166,7 +167,11 @@ def test_timed_out_job_is_requeued_and_resumes_from_its_caches(slurm, tmp_path):
     info = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, env=env).stdout
     assert "Restarts=1" in info, info
     log = "\n".join(p.read_text() for p in root.glob(f".hydra/*/.submitit/{job}/*_log.err"))
-    assert "this job is timed-out" in log and f"Requeued job {job} (2 remaining timeouts)" in log, log[-3000:]
+    assert "Caught signal SIGUSR2" in log and "this job is timed-out" in log, log[-3000:]
+    assert f"JOB {job} ON" in log and "DUE TO JOB REQUEUE" in log, log[-3000:]
+    # lm-eval's own progress bars: the second attempt asked the model only what the first had not answered
+    asked = [int(n) for n in re.findall(r"Running loglikelihood requests:\s+\d+%\|[^|]*\|\s*\d+/(\d+)", log)]
+    assert len(set(asked)) >= 2 and min(asked) < max(asked), asked
     metrics = json.loads((record / "metrics.json").read_text())
     # the second attempt calibrated nothing: both paths' transforms are the first attempt's
     assert metrics["method"]["cached_C"] == 1 and metrics["method"]["cached_P"] == 1, metrics["method"]

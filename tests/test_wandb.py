@@ -179,7 +179,7 @@ def test_tables_from_the_wandb_cache_equal_tables_from_runs(logged, tmp_path):
     cache = store(fetched.records, tmp_path / "cache")
     md_runs, _ = run_table.write(root / "t1", tmp_path / "a")
     md_cache, _ = run_table.write(cache / "t1", tmp_path / "b")
-    assert md_cache == md_runs and "C2R4" in md_runs
+    assert md_cache == md_runs and "C2R4" in md_runs and "profile=smoke" in md_runs
     paper_runs, _ = paper_tables.write(root / "t1", tmp_path / "c")
     paper_cache, _ = paper_tables.write(cache / "t1", tmp_path / "d")
     assert paper_cache == paper_runs and "n/a" in paper_runs  # the null averages stay null
