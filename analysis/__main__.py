@@ -1,5 +1,5 @@
 """``python -m analysis table|paper|sensitivity <runs-dir> [--out DIR]``: print and write result tables
-(and figures) from recorded runs; ``python -m analysis latency <table9 JSON> ...``: Table 9 from
+(and figures) from recorded runs (``table|paper --wandb ENTITY/PROJECT``: from a W&B project's runs); ``python -m analysis latency <table9 JSON> ...``: Table 9 from
 ``bench/table9.py`` records."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m analysis", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("table", help="model × method × bits table of the recorded metrics")
-    t.add_argument("runs_dir", type=Path)
+    t.add_argument("runs_dir", type=Path, nargs="?")
     t.add_argument("--out", type=Path, default=None, help="folder for table.md and table.csv (default: runs_dir)")
     t.add_argument(
         "--over",
@@ -36,12 +36,28 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("runs_dir", type=Path)
     s.add_argument("--out", type=Path, default=None, help="folder for the tables and figures (default: runs_dir)")
     pp = sub.add_parser("paper", help="Tables 1, 2 and RULER in the paper's layout, with its numbers beside")
-    pp.add_argument("runs_dir", type=Path)
+    pp.add_argument("runs_dir", type=Path, nargs="?")
     pp.add_argument("--out", type=Path, default=None, help="folder for paper_tables.md (default: runs_dir)")
     la = sub.add_parser("latency", help="Table 9 and a Figure 5b-style plot from bench/table9.py records")
     la.add_argument("records", type=Path, nargs="+", help="table9-<date>.json files written by bench/table9.py")
     la.add_argument("--out", type=Path, default=None, help="folder for table9.md/.csv/.png (default: runs/latency)")
+    for p in (t, pp):  # runs from W&B instead of a folder: analysis.wandb_source
+        p.add_argument("--wandb", metavar="ENTITY/PROJECT", help="read the runs of a W&B project (cached in runs_dir, "
+                       "default runs/wandb/ENTITY/PROJECT) instead of a folder of runs")  # fmt: skip
+        p.add_argument("--tag", nargs="+", default=(), help="with --wandb: only runs with any of these tags")
+        p.add_argument("--offline", action="store_true", help="with --wandb: the cached records, without asking W&B")
     args = ap.parse_args(argv)
+    if getattr(args, "wandb", None):
+        from analysis.wandb_source import source
+
+        logging.basicConfig(level=logging.WARNING, format="warning: %(message)s")
+        try:
+            args.runs_dir = source(args.wandb, args.runs_dir, args.tag, args.offline)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    elif getattr(args, "runs_dir", "") is None:
+        ap.error("give a folder of runs or --wandb ENTITY/PROJECT")
     if args.cmd != "latency" and not args.runs_dir.is_dir():
         print(f"error: {args.runs_dir} is not a folder of runs", file=sys.stderr)
         return 2

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from analysis import paper_numbers as P
-from analysis.table import METHOD_ORDER, SHOWN, _bits_key, _variant, config_fields, differing
+from analysis.table import METHOD_ORDER, SHOWN, _bits_key, _variant, config_fields, differing, profile_note
 from quantmla.files import write_atomic
 from quantmla.tracking import read_runs
 
@@ -142,7 +142,7 @@ def write(root: str | Path, out: str | Path | None = None) -> tuple[str, Path]:
             parts.append(f"### {title}\n\n{table}")
     if not parts:
         raise ValueError(f"no finished suite_a, suite_b or ruler runs under {root}")
-    md = "\n\n".join(parts)
+    md = "\n\n".join(parts) + (f"\n\n- {profile_note(runs)}" if profile_note(runs) else "")
     out = Path(out or root)
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(out / "paper_tables.md", md + "\n")

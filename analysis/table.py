@@ -152,12 +152,25 @@ def _sort_key(v) -> tuple:
     return (1, 0.0, str(v))
 
 
+def profile_note(runs: list[dict]) -> str:
+    """A line naming the profiles other than ``full`` the runs were made with (conf/profile/), or ''."""
+    profiles = sorted({str(r["config"].get("profile", "full")) for r in runs} - {"full"})
+    if not profiles:
+        return ""
+    return (
+        f"Made with profile={', '.join(profiles)} (a check on a small budget): not comparable to the paper's numbers."
+    )
+
+
 def notes(df: pd.DataFrame, over: tuple[str, ...], scan) -> list[str]:
     """What a reader must know besides the rows: averaged runs, damaged and unfinished records."""
     out = []
     if "n" in df.columns:
         what = f"runs that differ only in {', '.join(over)}" if over else "runs of the same configuration"
         out.append(f"Rows average {what}: n runs each, metric = mean, metric_se = standard error of the mean.")
+    smoke = profile_note(scan.runs)
+    if smoke:
+        out.append(smoke)
     if scan.unfinished:
         states = ", ".join(f"{n} {state}" for state, n in sorted(scan.unfinished.items()))
         out.append(f"Not finished, not in the table: {states}.")

@@ -106,6 +106,34 @@ class Plan:
         return RunRecord(self.record["runs_dir"], self.record["sweep"], self.record)
 
 
+REFERENCE = {"method": "rtn", "protect.enabled": True, "exact": False}
+"""What every unquantized (C16R16) run is recorded with: RTN (no transform), protection as conf/run.yaml
+has it and rounded rows, so that the BF16 runs recorded before these fields were normalised keep their ids."""
+
+
+def unquantized_reference(container: dict, top: dict) -> tuple[dict, dict]:
+    """The BF16 reference is one run whatever the method: at C16R16 nothing is quantized, so the
+    method (its transforms are exact with quantization off, the paper's §4.3), the protection of
+    sink and recent tokens and ``exact`` change nothing that is computed. They are set to
+    :data:`REFERENCE`, in the record and so in the run id: a sweep ``method=a,b bits=c16r16,c4r4``
+    computes C16R16 once and every method shares it."""
+    from quantmla.cache import CacheSpec
+
+    try:
+        quantized = CacheSpec.parse(top["bits"]["name"]).quantized
+    except ValueError:
+        return container, top  # reported by plan() with the rest of the bits checks
+    if quantized:
+        return container, top
+    method = OmegaConf.to_container(OmegaConf.load(conf_dir() / "method" / f"{REFERENCE['method']}.yaml"))
+    given = container.get("method", {}).get("name")
+    if given != REFERENCE["method"]:
+        log.info("bits=%s: method %s has no effect on an unquantized cache; recorded as %s", top["bits"]["name"],
+                 given, REFERENCE["method"])  # fmt: skip
+    top = top | {"exact": REFERENCE["exact"], "protect": top["protect"] | {"enabled": REFERENCE["protect.enabled"]}}
+    return container | {"method": method} | {k: top[k] for k in ("exact", "protect")}, top
+
+
 def plan(cfg: DictConfig) -> Plan:
     """Build and validate everything a run needs, loading no model."""
     from quantmla import methods, schema
@@ -117,6 +145,7 @@ def plan(cfg: DictConfig) -> Plan:
     try:
         container = OmegaConf.to_container(cfg, resolve=True)
         top = schema.settings(container)
+        container, top = unquantized_reference(container, top)
         groups = {g: checked(container[g], g) for g in ("model", "method", "eval", "logger")}
         groups["calibration"] = schema.typed("calibration", container["calibration"], CalibrationData)
         schema.check_device(top["device"])
@@ -329,7 +358,7 @@ def validate_argv(argv: list[str]) -> None:
     from hydra.errors import HydraException
 
     overrides = [a for a in argv if not a.startswith("-") and "=" in a]
-    groups = ("model", "method", "bits", "eval", "logger", "calibration", "experiment", "row")
+    groups = ("model", "method", "bits", "eval", "logger", "calibration", "experiment", "row", "profile")
     job_overrides = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
     hydra_overrides = [o for o in overrides if o.lstrip("+~").startswith("hydra")]
     try:

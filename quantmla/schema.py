@@ -43,6 +43,7 @@ class Settings:
     device: str = "auto"
     backend: str = "auto"
     exact: bool = False
+    profile: str = "full"  # conf/profile/<name>.yaml: full, or smoke (a check on a small budget)
     protect: Protect = field(default_factory=Protect)
     bits: Bits = field(default_factory=Bits)
 

@@ -1,4 +1,4 @@
-"""Run records and W&B: the only module that knows about either.
+"""Run records (and, in :mod:`quantmla.tracking_wandb`, their W&B runs): the only modules that know about either.
 
 Each run owns ``<runs_dir>/<sweep>/<run-id>/`` holding the resolved ``config.yaml``,
 ``metrics.json``, ``status`` (``running`` / ``done`` / ``failed`` / ``interrupted``, the
@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import platform
 import signal
 import subprocess
@@ -43,7 +42,13 @@ LOG_KEYS = ("logger", "runs_dir", "sweep", "hydra")
 VERSIONED = ("torch", "transformers", "triton", "lm_eval", "hydra-core", "omegaconf", "wandb", "quantmla")
 
 
-ADDED_DEFAULTS = {"exact": False, "model.device_map": None, "model.max_memory": None, "model.offload_folder": None}
+ADDED_DEFAULTS = {
+    "exact": False,
+    "profile": "full",
+    "model.device_map": None,
+    "model.max_memory": None,
+    "model.offload_folder": None,
+}
 """Keys (dotted for nested ones) added after runs were first recorded, with the value every earlier run
 had: left out of the id at that value, so those runs keep their ids (and are not run again)."""
 
@@ -304,7 +309,8 @@ class RunRecord:
 
     def fail(self, exc: BaseException) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        state = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+        # SystemExit mid-run: an exit asked from outside the computation (submitit's requeue on a time limit)
+        state = "interrupted" if isinstance(exc, (KeyboardInterrupt, SystemExit)) else "failed"
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         write_atomic(self.dir / "error.txt", tb)
         write_atomic(self.dir / "status", f"{state}\n")
@@ -354,59 +360,6 @@ class NullLogger:
 
     def finish(self, ok: bool) -> None:
         pass
-
-
-class WandbLogger:
-    """W&B with the run's whole config and its metrics.
-
-    ``mode``: ``auto`` logs online when an API key is configured (``WANDB_API_KEY`` or a
-    ``wandb login``) and offline otherwise; ``online``, ``offline`` and ``disabled`` force it.
-    Offline runs land in the run folder (``wandb/``) and sync later with ``wandb sync``.
-    """
-
-    def __init__(self, project: str = "quantmla", entity: str | None = None, mode: str = "auto", tags=()):
-        if mode not in ("auto", "online", "offline", "disabled"):
-            raise ValueError(f"wandb mode '{mode}' is not one of auto, online, offline, disabled")
-        self.project, self.entity, self.mode, self.tags = project, entity, mode, list(tags or ())
-        self.run = None
-
-    def resolved_mode(self) -> str:
-        if self.mode != "auto":
-            return self.mode
-        if os.environ.get("WANDB_MODE"):
-            return os.environ["WANDB_MODE"]
-        if os.environ.get("WANDB_API_KEY"):
-            return "online"
-        netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
-        return "online" if netrc.exists() and "api.wandb.ai" in netrc.read_text() else "offline"
-
-    def start(self, record: RunRecord, sweep: str) -> None:
-        import wandb
-
-        self.run = wandb.init(
-            project=self.project,
-            entity=self.entity,
-            mode=self.resolved_mode(),
-            dir=str(record.dir),
-            name=record.id,
-            id=f"{sweep}-{record.id}-{datetime.now(UTC):%Y%m%d%H%M%S}",
-            group=sweep,
-            tags=self.tags,
-            config=record.cfg,
-            reinit="finish_previous",
-            settings=wandb.Settings(silent=True, console="off"),
-        )
-
-    def log(self, metrics: dict) -> None:
-        if self.run is not None:
-            flat = numeric_metrics(metrics)
-            self.run.log(flat)
-            self.run.summary.update(flat)
-
-    def finish(self, ok: bool) -> None:
-        if self.run is not None:
-            self.run.finish(exit_code=0 if ok else 1)
-            self.run = None
 
 
 def numeric_metrics(d: dict) -> dict:

@@ -158,7 +158,7 @@ def _leaves(x, key=""):
 def test_four_methods_by_three_formats_as_a_multirun(tmp_path):
     """The command a user types: a Hydra multirun of the four methods × C16R16, C4R4, C2R4 on the
     tiny model at the paper's shapes in bfloat16. Every job finishes, and for every method fewer
-    content bits never make perplexity much better (C2R4 ≥ C16R16)."""
+    content bits never make perplexity much better (C2R4 ≥ C16R16, the one BF16 run)."""
     cmd = [sys.executable, "-m", "quantmla.run", "-m", "model=tiny", *PAPER, "model.dtype=bfloat16",
            "calibration=quick", "logger=none", "device=cuda", f"runs_dir={tmp_path}", *PPL,
            "method=rtn,smoothquant,quarot,quantmla", "bits=c16r16,c4r4,c2r4"]  # fmt: skip
@@ -168,7 +168,7 @@ def test_four_methods_by_three_formats_as_a_multirun(tmp_path):
     for f in Path(tmp_path).rglob("metrics.json"):
         cfg = yaml.safe_load((f.parent / "config.yaml").read_text())
         ppl[cfg["method"]["name"], cfg["bits"]["name"]] = json.loads(f.read_text())["ppl"]
-    assert len(ppl) == 12, sorted(ppl)
+    assert len(ppl) == 9, sorted(ppl)  # C16R16 is one run, recorded with RTN, whatever the method
     assert all(math.isfinite(v) for v in ppl.values()), ppl
     for method in ("rtn", "smoothquant", "quarot", "quantmla"):
-        assert ppl[method, "c2r4"] > 0.98 * ppl[method, "c16r16"], ppl
+        assert ppl[method, "c2r4"] > 0.98 * ppl["rtn", "c16r16"], ppl

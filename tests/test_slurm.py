@@ -1,8 +1,11 @@
 """A sweep through a real one-node SLURM cluster (Debian slurm-wlm + munge) started here."""
 
+import json
 import os
+import re
 import shutil
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -114,3 +117,65 @@ def test_sweep_runs_as_slurm_jobs(slurm, tmp_path):
     logs = list((tmp_path / "slurm").glob(".hydra/*/.submitit/*/*_log.out"))
     assert len(logs) == 2, "each job must have run through sbatch"
     assert "| tiny | rtn | C2R4 |" in r.stdout
+
+
+def _job_ids(root: Path) -> list[str]:
+    return sorted(p.name for p in root.glob(".hydra/*/.submitit/*") if p.name.isdigit())
+
+
+def _responses(record: Path) -> int:
+    db = record / "lm_eval_responses.sqlite"
+    if not db.exists():
+        return 0
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1) as c:
+            return c.execute("SELECT count(*) FROM responses").fetchone()[0]
+    except sqlite3.Error:
+        return 0
+
+
+def test_timed_out_job_is_requeued_and_resumes_from_its_caches(slurm, tmp_path):
+    """SLURM's time-limit warning (SIGUSR2, as --signal=USR2@signal_delay_s sends it; here by scancel
+    once the transforms are stored and lm-eval has answered some requests) makes submitit requeue the
+    job; the requeued attempt reuses the stored transforms and finishes the run."""
+    cmd = [
+        sys.executable, "-m", "quantmla.run", "-m", "hydra/launcher=slurm", "model=tiny",
+        "hydra.launcher.cpus_per_task=1",
+        "hydra.launcher.timeout_min=10",  # ≤ 10 min: submitit counts any SIGUSR2 as the time limit's
+        "method=quantmla", "bits=c4r4", "profile=smoke", "eval=lm_eval", "eval.tasks=[arc_easy]",
+        "eval.limit=24", "eval.batch_size=4", "logger=none", f"runs_dir={tmp_path}", "sweep=requeue",
+    ]  # fmt: skip
+    env = slurm | {"PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    root = tmp_path / "requeue"
+    try:
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline and proc.poll() is None:
+            records = [p.parent for p in root.glob("*/status")]
+            if records and _responses(records[0]) >= 4:
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"the job never reached lm-eval: {proc.communicate(timeout=60)[1][-3000:]}")
+        (job,) = _job_ids(root)
+        subprocess.run(["scancel", "--signal=USR2", job], check=True, env=env)
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    (record,) = records
+    assert (record / "status").read_text().strip() == "done"
+    info = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, env=env).stdout
+    assert "Restarts=1" in info, info
+    log = "\n".join(p.read_text() for p in root.glob(f".hydra/*/.submitit/{job}/*_log.err"))
+    assert "Caught signal SIGUSR2" in log and "this job is timed-out" in log, log[-3000:]
+    assert f"JOB {job} ON" in log and "DUE TO JOB REQUEUE" in log, log[-3000:]
+    # lm-eval's own progress bars: the second attempt asked the model only what the first had not answered
+    asked = [int(n) for n in re.findall(r"Running loglikelihood requests:\s+\d+%\|[^|]*\|\s*\d+/(\d+)", log)]
+    assert len(set(asked)) >= 2 and min(asked) < max(asked), asked
+    metrics = json.loads((record / "metrics.json").read_text())
+    # the second attempt calibrated nothing: both paths' transforms are the first attempt's
+    assert metrics["method"]["cached_C"] == 1 and metrics["method"]["cached_P"] == 1, metrics["method"]
+    assert metrics["n_samples"]["arc_easy"]["effective"] == 24
+    assert not (record / "lm_eval_responses.sqlite").exists()  # kept only while the run is unfinished
