@@ -128,6 +128,7 @@ def unquantized_reference(container: dict, top: dict) -> tuple[dict, dict]:
     method = OmegaConf.to_container(OmegaConf.load(conf_dir() / "method" / f"{REFERENCE['method']}.yaml"))
     given = container.get("method", {}).get("name")
     if given != REFERENCE["method"]:
+        make(dict(container["method"]), "method")  # a method config the user got wrong is still an error
         log.info("bits=%s: method %s has no effect on an unquantized cache; recorded as %s", top["bits"]["name"],
                  given, REFERENCE["method"])  # fmt: skip
     top = top | {"exact": REFERENCE["exact"], "protect": top["protect"] | {"enabled": REFERENCE["protect.enabled"]}}

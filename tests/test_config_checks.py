@@ -91,7 +91,7 @@ def test_runs_dir_must_be_a_writable_folder(tmp_path):
 def test_calibration_text_too_short_is_refused_before_loading(tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("A text of a few hundred bytes. " * 10)
-    msg = _error("method=quantmla", f"calibration.source={short}", "calibration=quick")
+    msg = _error("method=quantmla", "bits=c4r4", f"calibration.source={short}", "calibration=quick")
     assert msg.startswith(f"calibration text '{short}' (train) is too short: 16 + 8 windows of 256 tokens need 6144")
     validate_argv([*BASE, "method=rtn", f"calibration.source={short}"])  # RTN reads none
 

@@ -102,7 +102,7 @@ def test_ablation_switches_choose_the_paths(tmp_path):
 
 def _plan_error(*overrides) -> str:
     with pytest.raises(ConfigError) as e:
-        validate_argv(["model=tiny", "logger=none", "method=quantmla", *overrides])
+        validate_argv(["model=tiny", "logger=none", "method=quantmla", "bits=c4r4", *overrides])
     assert "\n" not in str(e.value)
     return str(e.value)
 
