@@ -37,7 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--out", type=Path, default=None, help="folder for the tables and figures (default: runs_dir)")
     pp = sub.add_parser("paper", help="Tables 1, 2 and RULER in the paper's layout, with its numbers beside")
     pp.add_argument("runs_dir", type=Path)
-    pp.add_argument("--out", type=Path, default=None, help="folder for the tables and figures (default: runs_dir/paper)")
+    pp.add_argument(
+        "--out", type=Path, default=None, help="folder for the tables and figures (default: runs_dir/paper)"
+    )
     la = sub.add_parser("latency", help="Table 9 and a Figure 5b-style plot from bench/table9.py records")
     la.add_argument("records", type=Path, nargs="+", help="table9-<date>.json files written by bench/table9.py")
     la.add_argument("--out", type=Path, default=None, help="folder for table9.md/.csv/.png (default: runs/latency)")

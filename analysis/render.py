@@ -59,9 +59,7 @@ def latex(text: pd.DataFrame, bold: pd.DataFrame | None = None, caption: str | N
     return styler.to_latex(hrules=True, caption=caption, position="t", convert_css=True, environment="table")
 
 
-def table(
-    text: pd.DataFrame, bold: pd.DataFrame | None, stem: Path, notes: list[str], title: str = ""
-) -> list[Path]:
+def table(text: pd.DataFrame, bold: pd.DataFrame | None, stem: Path, notes: list[str], title: str = "") -> list[Path]:
     """``<stem>.md`` (the table with its notes as a list below) and ``<stem>.tex`` (the notes as comments)."""
     md = (f"### {title}\n\n" if title else "") + markdown(text, bold)
     if notes:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 import pandas as pd
@@ -82,7 +82,7 @@ def _variant(method: dict) -> str:
     return " ".join(f"{k}={got[k]}" for k in sorted(got) if k not in ("_target_", "name") and default.get(k) != got[k])
 
 
-@lru_cache(maxsize=None)
+@cache
 def _method_defaults(name) -> dict | None:
     path = _conf() / "method" / f"{name}.yaml"
     return _nested(yaml.safe_load(path.read_text()) or {}) if path.exists() else None
@@ -111,7 +111,9 @@ def profile(cfg: dict, metrics: dict) -> str:
     if ev.get("max_length"):
         notes.append(f"prompts ≤ {ev['max_length']} tok")
     cal, paper = metrics.get("calibration"), paper_calibration()
-    if isinstance(cal, dict) and any(cal.get(k) != paper.get(k) for k in ("source", "split", "seq_len", "train", "heldout")):
+    if isinstance(cal, dict) and any(
+        cal.get(k) != paper.get(k) for k in ("source", "split", "seq_len", "train", "heldout")
+    ):
         notes.append(f"calibration {cal.get('train')}+{cal.get('heldout')}×{cal.get('seq_len')} {cal.get('source')}")
     return ", ".join(notes)
 
@@ -226,7 +228,15 @@ def _sd(xs: list[float]) -> float:
 def _order(r: Row, extra: list[str]) -> tuple:
     k = r.keys
     m = METHOD_ORDER.index(k["method"]) if k["method"] in METHOD_ORDER else len(METHOD_ORDER)
-    return (k["model"], _bits_key(k["bits"]), *(_sort_key(k[x]) for x in extra), m, k["method"], k["protect"], k["variant"])
+    return (
+        k["model"],
+        _bits_key(k["bits"]),
+        *(_sort_key(k[x]) for x in extra),
+        m,
+        k["method"],
+        k["protect"],
+        k["variant"],
+    )
 
 
 def blocks(rs: list[Row]) -> dict[str, list[Row]]:
@@ -358,9 +368,13 @@ def notes(rs: list[Row], over: tuple[str, ...], scan) -> list[str]:
             "metric_se = standard error of the mean."
         )
     elif any(r.n > 1 for r in rs):
-        out.append("Rows of n > 1 runs: the same configuration, repeated or perturbed (noise floor); value = unperturbed mean.")
+        out.append(
+            "Rows of n > 1 runs: the same configuration, repeated or perturbed (noise floor); value = unperturbed mean."
+        )
     if any(r.profile for r in rs):
-        out.append("profile: how a row departs from the paper's protocol (quick eval, item limit, prompt cut, calibration banks).")
+        out.append(
+            "profile: how a row departs from the paper's protocol (quick eval, item limit, prompt cut, calibration banks)."
+        )
     if scan is not None:
         if scan.unfinished:
             states = ", ".join(f"{n} {state}" for state, n in sorted(scan.unfinished.items()))
@@ -379,7 +393,9 @@ def _floor_notes(rs: list[Row]) -> list[str]:
             f" {c}={v}" for c, v in k0.items() if c not in (*KEYS, *BLOCK_FREE, "exact")
         )
         if measured:
-            out.append(f"Noise floor of {where}: measured on " + "; ".join(f"{r.label} ({r.n} runs)" for r in measured) + ".")
+            out.append(
+                f"Noise floor of {where}: measured on " + "; ".join(f"{r.label} ({r.n} runs)" for r in measured) + "."
+            )
         elif len(block) > 1:
             out.append(f"Noise floor of {where}: not measured (no configuration run twice): no difference is resolved.")
     return out

@@ -52,7 +52,12 @@ def perturb(noise: dict, backend: str, device, ev, calibration, method):
             raise ValueError(f"noise.perturb=batch: eval {name} has no batch size")
         sizes = [s for s in BATCH_SIZES if s != ev.batch_size]
         size = sizes[k % len(sizes)]
-        return backend, dataclasses.replace(ev, batch_size=size), calibration, f"eval.batch_size {ev.batch_size} -> {size}"
+        return (
+            backend,
+            dataclasses.replace(ev, batch_size=size),
+            calibration,
+            f"eval.batch_size {ev.batch_size} -> {size}",
+        )
     if kind == "order":
         if not hasattr(ev, "order_seed"):
             raise ValueError(

@@ -149,7 +149,9 @@ def plan(cfg: DictConfig) -> Plan:
         PageFormat(spec.content_bits, spec.rope_bits, d_c, d_r, spec.group)  # the cache layout can hold it
         method.check(spec)
         method.check_dims(d_c, d_r)
-        backend, ev, calibration, perturbed = noise.perturb(top.get("noise", {}), backend, device, ev, calibration, method)
+        backend, ev, calibration, perturbed = noise.perturb(
+            top.get("noise", {}), backend, device, ev, calibration, method
+        )
         if method.needs_data:
             calibration.check()
         ev.check()
