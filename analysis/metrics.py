@@ -116,10 +116,10 @@ def perplexity(metrics: dict) -> dict[str, Value]:
         mean = sum(items) / len(items)
         sd = math.sqrt(sum((x - mean) ** 2 for x in items) / (len(items) - 1))
         se = metrics["ppl"] * sd / math.sqrt(len(items))
-    return {
-        "ppl": Value(_num(metrics["ppl"]), se, tuple(items) if items else None, log=True, higher_better=False),
-        "tokens": Value(_num(metrics.get("tokens")), higher_better=None, digits=0),
-    }
+    out = {"ppl": Value(_num(metrics["ppl"]), se, tuple(items) if items else None, log=True, higher_better=False)}
+    if "tokens" in metrics:  # the text scored, stated beside the perplexity
+        out["tokens"] = Value(_num(metrics["tokens"]), higher_better=None, digits=0)
+    return out
 
 
 def main(metrics: dict, config: dict) -> dict[str, Value]:

@@ -314,7 +314,7 @@ def _frame(rs: list[Row]) -> pd.DataFrame:
             df = df.drop(columns=[col])
     if (df["n"] == 1).all():
         df = df.drop(columns=["n"])
-    empty = [c for c in df.columns if c not in keys and df[c].isna().all() and not c.endswith(("_se", "_noise"))]
+    empty = [c for c in df.columns if c.endswith("_tied") and df[c].isna().all()]
     return df.drop(columns=empty).reset_index(drop=True)
 
 

@@ -192,3 +192,66 @@ def test_table3_steps_are_resolved_by_the_noise_floor_and_their_errors(tmp_path)
     first = data[data["configuration"] == "+ content-path transform"].iloc[0]
     assert first["step_threshold"] == pytest.approx(math.sqrt(2) * 1.0) and first["noise_floor"] == pytest.approx(0.5)
     assert (tmp_path / "o" / "table3.tex").read_text().count("\\\\") >= 9
+
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def test_tables_regenerate_from_the_committed_records(tmp_path):
+    """tests/data/runs holds records of real tiny-model runs (tests/data/make_runs.sh): Suite A on the
+    quick profile, Table 3's ablation on MMLU, perplexity of every method with RTN's noise floor.
+    Regenerating the tables from them gives the committed tests/data/rendered files, in seconds,
+    without torch (no model is loaded)."""
+    script = (
+        "import sys, time; t = time.time(); from analysis.__main__ import main; "
+        f"assert main(['paper', {str(DATA / 'runs')!r}, '--out', {str(tmp_path / 'paper')!r}]) == 0; "
+        f"assert main(['table', {str(DATA / 'runs' / 'ppl')!r}, '--out', {str(tmp_path / 'table')!r}]) == 0; "
+        "print('torch' in sys.modules, round(time.time() - t, 1), file=sys.stderr)"
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    loaded, seconds = r.stderr.split()[-2:]
+    assert loaded == "False" and float(seconds) < 60
+    for kind in ("paper", "table"):
+        expected = sorted(p.name for p in (DATA / "rendered" / kind).iterdir())
+        assert expected, kind
+        for name in expected:
+            assert (tmp_path / kind / name).read_text() == (DATA / "rendered" / kind / name).read_text(), name
+    # what a reviewer pastes: the suites' tasks and averages, no subtask columns, marked quick rows
+    table1 = (tmp_path / "paper" / "table1.md").read_text()
+    head = next(line for line in table1.splitlines() if line.startswith("| model"))
+    assert len(head.split("|")) - 2 == 13 and "mmlu_" not in table1
+    assert "quick eval, limit 2/task" in table1 and "noise floor" in table1
+    details = pd.read_csv(tmp_path / "paper" / "details.csv")
+    assert details["metric"].str.startswith("subtasks/mmlu_").any()
+    for name in ("table1", "table8", "table3"):
+        assert (tmp_path / "paper" / f"{name}.pdf").read_bytes().startswith(b"%PDF")
+        assert (tmp_path / "paper" / f"{name}.png").stat().st_size > 10_000
+    ppl = pd.read_csv(tmp_path / "table" / "table.csv")
+    assert set(ppl["method"]) == {"rtn", "smoothquant", "quarot", "quantmla"} and ppl["ppl_noise"].notna().all()
+    assert "method/" not in (tmp_path / "table" / "table.md").read_text()  # diagnostics go to details.csv
+    assert pd.read_csv(tmp_path / "table" / "details.csv")["metric"].str.startswith("method/").any()
+
+
+def test_ten_series_get_ten_colours_and_the_legend_stays_off_the_data(tmp_path):
+    """The Table 9 plot with ten records: eleven distinct colours (BF16 and each record's C4R4), the legend
+    below the axes in both PNG and PDF."""
+    from analysis import latency, render
+
+    for n in (10, 11, 20):
+        assert len(set(render.colours(n))) == n
+    base = json.loads((Path(__file__).resolve().parents[1] / "bench/results/table9-20261201-063453.json").read_text())
+    paths = []
+    for i in range(10):
+        rec = base | {"rows": [r | {"delta_pct": r["delta_pct"] + i} for r in base["rows"]]}
+        paths.append(tmp_path / f"table9-{i}.json")
+        paths[-1].write_text(json.dumps(rec))
+    _, files = latency.write(paths, tmp_path / "out")
+    assert [f.suffix for f in files] == [".md", ".csv", ".png", ".pdf"]
+    fig = latency.draw(latency.frame([latency.load(p) for p in paths]))
+    fig.canvas.draw()
+    (legend,) = fig.legends
+    assert len(legend.get_texts()) == 2 + 1 + 10 + 1  # paper BF16/C4R4, our BF16, ten C4R4, paper Δ
+    assert legend.get_window_extent().y1 < min(a.get_window_extent().y0 for a in fig.axes)
+    colours = {tuple(line.get_color()) for a in fig.axes for line in a.get_lines() if line.get_marker() in ("o", "s")}
+    assert len(colours) == 11
