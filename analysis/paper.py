@@ -56,7 +56,7 @@ def _as_bf16(run: dict) -> dict:
     c = run["config"]
     if str(c.get("bits", {}).get("name", "")).lower() != "c16r16":
         return run
-    return run | {"config": c | {"method": {"name": "—"}, "protect": {"enabled": False}}}
+    return run | {"config": c | {"method": {"name": "—"}, "protect": (c.get("protect") or {}) | {"enabled": False}}}
 
 
 def _method(r: Row) -> str:
