@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 WRITERS = {  # subcommand -> (module with write(source, out) -> (markdown, what it wrote), the files that is)
-    "table": ("analysis.table", lambda out: [out / "table.md", out / "table.csv"]),
-    "paper": ("analysis.paper", lambda path: [path]),
+    "table": ("analysis.table", lambda files: files),
+    "paper": ("analysis.paper", lambda files: files),
     "sensitivity": ("analysis.sensitivity", lambda files: files),
     "latency": ("analysis.latency", lambda files: files),
 }
@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("table", help="model × method × bits table of the recorded metrics")
     t.add_argument("runs_dir", type=Path, nargs="?")
-    t.add_argument("--out", type=Path, default=None, help="folder for table.md and table.csv (default: runs_dir)")
+    t.add_argument("--out", type=Path, default=None, help="folder for table.md/.csv/.tex (default: runs_dir)")
     t.add_argument(
         "--over",
         nargs="+",
@@ -37,7 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--out", type=Path, default=None, help="folder for the tables and figures (default: runs_dir)")
     pp = sub.add_parser("paper", help="Tables 1, 2 and RULER in the paper's layout, with its numbers beside")
     pp.add_argument("runs_dir", type=Path, nargs="?")
-    pp.add_argument("--out", type=Path, default=None, help="folder for paper_tables.md (default: runs_dir)")
+    pp.add_argument(
+        "--out", type=Path, default=None, help="folder for the tables and figures (default: runs_dir/paper)"
+    )
     la = sub.add_parser("latency", help="Table 9 and a Figure 5b-style plot from bench/table9.py records")
     la.add_argument("records", type=Path, nargs="+", help="table9-<date>.json files written by bench/table9.py")
     la.add_argument("--out", type=Path, default=None, help="folder for table9.md/.csv/.png (default: runs/latency)")

@@ -34,8 +34,8 @@ class SweepTable(Callback):
 
         root = Path(config.runs_dir) / config.sweep
         if root.exists():
-            md, out = write(root)
-            print(f"\n{md}\n\n(table written to {out / 'table.md'} and {out / 'table.csv'})")
+            md, files = write(root)
+            print(f"\n{md}\n\n(written: {', '.join(str(f) for f in files)})")
         results = job_results(Path(config.hydra.sweep.dir))
         failed = [r for r in results if r["status"] == "failed"]
         if failed:

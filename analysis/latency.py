@@ -17,6 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from analysis import render  # noqa: E402
 from analysis.paper_numbers import TABLE9, context_label  # noqa: E402
 
 KEYS = ("B", "N", "c16r16_us", "c4r4_us", "delta_pct")
@@ -76,34 +77,50 @@ def table(df: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
-def figure(df: pd.DataFrame, path: Path) -> Path:
-    """Latency (top) and Δ (bottom) against N, one column per batch; the paper's dashed."""
+def figure(df: pd.DataFrame, stem: Path) -> list[Path]:
+    """:func:`draw` saved as ``<stem>.png`` and ``<stem>.pdf``."""
+    fig = draw(df)
+    out = []
+    for ext in ("png", "pdf"):
+        fig.savefig(stem.with_suffix(f".{ext}"), dpi=120, bbox_inches="tight")
+        out.append(stem.with_suffix(f".{ext}"))
+    plt.close(fig)
+    return out
+
+
+def draw(df: pd.DataFrame):
+    """Latency (top) and Δ (bottom) against N, one column per batch; the paper's dashed. Every series
+    has its own colour (render.colours) and the legend sits below the axes."""
     batches = sorted(df["B"].unique())
+    records = list(dict.fromkeys(df["record"]))
+    colour = dict(zip(["BF16"] + records, render.colours(len(records) + 1)))
     fig, ax = plt.subplots(2, len(batches), figsize=(5.5 * len(batches), 7), sharex=True, squeeze=False)
     paper = pd.DataFrame([(b, n, *v) for (b, n), v in TABLE9.items()], columns=["B", "N", "bf16", "c4r4", "delta"])
     for j, b in enumerate(batches):
         top, bottom = ax[0, j], ax[1, j]
         p = paper[paper["B"] == b].sort_values("N")
         top.plot(p["N"], p["bf16"], "k--", lw=1, label="paper BF16")
-        top.plot(p["N"], p["c4r4"], "--", c="gray", lw=1, label="paper C4R4")
-        bottom.plot(p["N"], p["delta"], "k--", lw=1, label="paper")
-        for i, (label, g) in enumerate(df[df["B"] == b].groupby("record", sort=False)):
-            g = g.sort_values("N")
+        top.plot(p["N"], p["c4r4"], ":", c="gray", lw=1.2, label="paper C4R4")
+        bottom.plot(p["N"], p["delta"], "k--", lw=1, label="paper Δ")
+        for i, label in enumerate(records):
+            g = df[(df["B"] == b) & (df["record"] == label)].sort_values("N")
             if i == 0:
-                top.plot(g["N"], g["bf16_us"], "o-", c="C0", ms=3, label=f"BF16, {label}")
-            top.plot(g["N"], g["c4r4_us"], "s-", c=f"C{i + 1}", ms=3, label=f"C4R4, {label}")
-            bottom.plot(g["N"], g["delta_pct"], "s-", c=f"C{i + 1}", ms=3, label=label)
+                top.plot(g["N"], g["bf16_us"], "o-", c=colour["BF16"], ms=3, label=f"BF16, {label}")
+            top.plot(g["N"], g["c4r4_us"], "s-", c=colour[label], ms=3, label=f"C4R4, {label}")
+            bottom.plot(g["N"], g["delta_pct"], "s-", c=colour[label], ms=3, label=f"Δ, {label}")
         top.set(xscale="log", yscale="log", ylabel="latency (µs)", title=f"batch {b}, 16 heads")
         bottom.axhline(0, c="gray", lw=0.5)
         bottom.set(xscale="log", xlabel="context N (tokens)", ylabel="Δ = C4R4 / BF16 − 1 (%)")
         bottom.set_xticks(sorted(df["N"].unique()), [context_label(n) for n in sorted(df["N"].unique())], minor=False)
         bottom.tick_params(axis="x", labelrotation=45)
-    ax[0, 0].legend(fontsize=7)
-    ax[1, 0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    handles, labels = ax[0, 0].get_legend_handles_labels()
+    more = [(h, lab) for h, lab in zip(*ax[1, 0].get_legend_handles_labels()) if lab == "paper Δ"]
+    fig.legend(
+        handles + [h for h, _ in more], labels + [lab for _, lab in more],
+        loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=2, fontsize=8, frameon=False,
+    )  # fmt: skip
+    return fig
 
 
 def write(paths: list[str | Path], out: str | Path | None = None) -> tuple[str, list[Path]]:
@@ -112,7 +129,7 @@ def write(paths: list[str | Path], out: str | Path | None = None) -> tuple[str, 
     out.mkdir(parents=True, exist_ok=True)
     df = frame(records)
     md = "# Table 9's protocol: decode latency, C4R4 against BF16\n\n" + table(df)
-    files = [out / "table9.md", out / "table9.csv", figure(df, out / "table9.png")]
+    files = [out / "table9.md", out / "table9.csv", *figure(df, out / "table9")]
     files[0].write_text(md)
     df.to_csv(files[1], index=False)
     return md, files

@@ -1,19 +1,32 @@
-"""The paper's result tables (Tables 1, 2 and RULER) from recorded evaluation runs.
+"""The paper's result tables from recorded runs, its published numbers beside ours, written as
+markdown, CSV and LaTeX, with figures as PNG and PDF.
 
-Rows come from runs of ``eval=suite_a`` (Table 1 layout), ``eval=suite_b`` (Table 2) and
-``eval=ruler`` (Figure 4's averages). Where the paper has the same row (same model, bits,
-method, and its protection convention) its published value is printed beside ours. Missing
-tasks are printed as ``n/a`` and keep the average empty, as the evaluation records them.
+- Table 1 (``eval=suite_a``): CS, MMLU, GSM8K, FDA, SWDE, SQuAD, Avg.; Table 8: CS per task;
+- Table 2 (``eval=suite_b``): the seven tasks and their average;
+- Table 3 (lm-eval runs with MMLU and no suite, ``experiment=table3_ablation``): the cumulative ablation
+  at C4R4, each step's gain and whether the noise floor resolves it;
+- RULER (``eval=ruler``): each task's mean over the lengths (Figure 4's averages).
+
+Each of our rows is followed by the paper's row for the same model, precision and method under the
+paper's protection convention (baselines unprotected, QuantMLA protected), task by task. Cells are
+value ± standard error; in each block (same model and precision) the best quantized row and those not
+resolved from it are bold (:mod:`analysis.noise`), and a noise-floor row follows where one was
+measured. Rows scored off the paper's protocol say how in ``profile``. Missing tasks are ``n/a`` and
+keep the average empty, as the evaluation records them.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pandas as pd
+
+from analysis import noise as N
 from analysis import paper_numbers as P
-from analysis.table import METHOD_ORDER, SHOWN, _bits_key, _variant, config_fields, differing, profile_note
-from quantmla.files import write_atomic
-from quantmla.tracking import read_runs
+from analysis import render
+from analysis.metrics import Value
+from analysis.table import BLOCK_FREE, Row, _same, blocks, comparisons, details, mark, notes, rows
+from quantmla.tracking import scan_runs
 
 NAMES = {
     "cs": "CS",
@@ -28,122 +41,296 @@ NAMES = {
     "humaneval": "HumanEval",
     "livecodebench": "LCB",
     "avg": "Avg.",
+    "hellaswag": "HellaSwag",
+    "piqa": "PIQA",
+    "arc_easy": "ARC-E",
+    "arc_challenge": "ARC-C",
+    "winogrande": "WinoGrande",
 }
+METHODS = {"rtn": "RTN", "smoothquant": "SmoothQuant†", "quarot": "QuaRot†", "quantmla": "QuantMLA"}
+KEYS = ["model", "prec.", "method", "protect", "profile", "runs"]
 
 
-def _key(c: dict) -> tuple:
-    bits = c["bits"]["name"].upper()
-    if bits == "C16R16":  # the BF16 reference, whatever the method (fusion is exact)
-        return c["model"]["name"], bits, "", False, ""
-    protect = bool(c.get("protect", {}).get("enabled", False))
-    variant = ", ".join(v for v in (_variant(c["method"]), "exact" if c.get("exact") else "") if v)
-    return c["model"]["name"], bits, c["method"]["name"], protect, variant
+def _as_bf16(run: dict) -> dict:
+    """A C16R16 run is the BF16 reference whatever its method (fusion is exact up to round-off)."""
+    c = run["config"]
+    if str(c.get("bits", {}).get("name", "")).lower() != "c16r16":
+        return run
+    return run | {"config": c | {"method": {"name": "—"}, "protect": (c.get("protect") or {}) | {"enabled": False}}}
 
 
-def _rows(runs: list[dict], values) -> dict[tuple, list]:
-    """Row key -> the mean of ``values(run)`` over the runs of that row; every config field that
-    differs between the runs (and that the key does not show) joins the key's variant."""
-    fields = [config_fields(r["config"]) for r in runs]
-    extra = [k for k in differing(fields, skip=SHOWN) if not k.startswith("method.")]
-    groups: dict[tuple, list] = {}
-    for r, f in zip(runs, fields):
-        model, bits, method, protect, variant = _key(r["config"])
-        more = " ".join(f"{k}={f.get(k)}" for k in extra if not (bits == "C16R16" and k.startswith("protect.")))
-        groups.setdefault((model, bits, method, protect, ", ".join(v for v in (variant, more) if v)), []).append(
-            values(r)
-        )
-    return {k: _mean(v) for k, v in groups.items()}
+def _method(r: Row) -> str:
+    if r.keys["bits"] == "C16R16":
+        return "—"
+    name = METHODS.get(r.keys["method"], r.keys["method"])
+    more = [r.keys["variant"]] if r.keys.get("variant") else []
+    more += [
+        f"{c}={v}" for c, v in r.keys.items() if c not in ("model", "method", "variant", "bits", "protect", "exact")
+    ]
+    return name + (f" ({'; '.join(more)})" if more else "")
 
 
-def _mean(rows: list) -> tuple[int, list | dict]:
-    """(how many, their mean): of lists (table columns) or dicts (RULER tasks); None stays None."""
-    first = rows[0]
-    keys = range(len(first)) if isinstance(first, list) else list(first)
-    out = {}
-    for k in keys:
-        got = [r[k] for r in rows if (r[k] if isinstance(r, list) else r.get(k)) is not None]
-        out[k] = sum(got) / len(got) if got and len(got) == len(rows) else None
-    return len(rows), [out[k] for k in keys] if isinstance(first, list) else out
+def _keys(r: Row) -> dict:
+    quantized = r.keys["bits"] != "C16R16"
+    return {
+        "model": r.keys["model"],
+        "prec.": r.keys["bits"],
+        "method": _method(r),
+        "protect": ("yes" if r.keys["protect"] else "no") if quantized else "",
+        "profile": r.profile or "paper",
+        "runs": str(r.n),
+    }
 
 
-def _name(bits: str, method: str, variant: str, n: int) -> str:
-    name = "—" if bits == "C16R16" else method
-    notes = [variant] if variant and bits != "C16R16" else []
-    notes += [f"mean of {n}"] if n > 1 else []
-    return name + (f" ({'; '.join(notes)})" if notes else "")
+def _paper(table: dict, r: Row, cols: tuple[str, ...], order: tuple[str, ...]):
+    """The paper's values of ``cols`` for row ``r`` (its columns are ``order``), or None."""
+    ref = P.paper_row(table, r.keys["model"], r.keys["bits"], r.keys["method"], r.keys["protect"])
+    if ref is None or r.keys.get("variant"):
+        return None
+    return [ref[order.index(c)] if c in order else None for c in cols]
 
 
-def _order(k: tuple) -> tuple:
-    model, bits, method, protect, variant = k
-    m = METHOD_ORDER.index(method) if method in METHOD_ORDER else len(METHOD_ORDER)
-    return model, _bits_key(bits), bits != "C16R16", m, protect, variant
+def layout(rs: list[Row], cols: tuple[str, ...], paper) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """(text, bold, numbers) of a paper table: each of our rows, the paper's beneath it, and each
+    block's noise floor."""
+    heads = [NAMES.get(c, c) for c in cols]
+    text, bold, data = [], [], []
+    for block in blocks(rs).values():
+        for r in block:
+            keys = _keys(r)
+            text.append(keys | {h: render.number(r.values[c]) if c in r.values else "n/a" for c, h in zip(cols, heads)})
+            bold.append({h: bool(r.best.get(c)) for c, h in zip(cols, heads)})
+            ref = paper(r)
+            row = keys | {"source": "ours"}
+            for j, (c, h) in enumerate(zip(cols, heads)):
+                v = r.values.get(c, Value(None))
+                row |= {h: v.value, f"{h} se": v.se, f"{h} noise": r.floor.get(c), f"{h} tied": r.best.get(c)}
+                row[f"{h} paper"] = ref[j] if ref else None
+            data.append(row)
+            if ref:
+                text.append(dict.fromkeys(KEYS, "") | {"method": "paper"} | {h: _fmt(x) for h, x in zip(heads, ref)})
+                bold.append({})
+        floors = [block[0].floor.get(c) for c in cols]
+        if any(f is not None for f in floors):
+            text.append(
+                dict.fromkeys(KEYS, "") | {"method": "noise floor"} | dict(zip(heads, map(render.spread, floors)))
+            )
+            bold.append({})
+    cols_out = KEYS + heads
+    return (
+        pd.DataFrame(text, columns=cols_out).fillna(""),
+        pd.DataFrame(bold, columns=cols_out).fillna(False),
+        pd.DataFrame(data),
+    )
 
 
 def _fmt(v) -> str:
     return "n/a" if v is None else f"{v:.2f}"
 
 
-def suite_table(runs: list[dict], suite: str) -> str | None:
-    cols = P.SUITE_A_COLUMNS if suite == "suite_a" else P.SUITE_B_COLUMNS
-    paper = P.TABLE1 if suite == "suite_a" else P.TABLE2
-    runs = [r for r in runs if r["config"].get("eval", {}).get("suite") == suite and "scores" in r["metrics"]]
-    if not runs:
+def _prepared(runs: list[dict]) -> list[Row]:
+    rs = rows([_as_bf16(r) for r in runs])
+    mark(rs)
+    return rs
+
+
+def suite_table(runs: list[dict], suite: str, breakdown: bool = False):
+    """Table 1 (Suite A), 8 (``breakdown``: Suite A's commonsense tasks) or 2 (Suite B)."""
+    chosen = [r for r in runs if (r["config"].get("eval") or {}).get("suite") == suite and "scores" in r["metrics"]]
+    if not chosen:
         return None
-
-    def values(r):
-        m = r["metrics"]
-        got = dict(m["scores"]) | {k: m["averages"].get(k) for k in ("cs", "avg")}
-        return [got.get(c) for c in cols]
-
-    rows = _rows(runs, values)
-    head = ["model", "prec.", "method", "protect"] + [NAMES[c] for c in cols] + ["paper Avg."]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for k in sorted(rows, key=_order):
-        model, bits, method, protect, variant = k
-        n, row = rows[k]
-        ref = P.paper_row(paper, model, bits, method, protect)
-        name = _name(bits, method, variant, n)
-        cells = [model, bits, name, "yes" if protect else "no"] + [_fmt(v) for v in row]
-        lines.append("| " + " | ".join(cells + [_fmt(ref[-1]) if ref else ""]) + " |")
-    return "\n".join(lines)
+    if suite == "suite_b":
+        cols, table, order = P.SUITE_B_COLUMNS, P.TABLE2, P.SUITE_B_COLUMNS
+    elif breakdown:
+        cols, table, order = P.TABLE8_COLUMNS, P.TABLE8, P.TABLE8_COLUMNS
+    else:
+        cols, table, order = P.SUITE_A_COLUMNS, P.TABLE1, P.SUITE_A_COLUMNS
+    rs = _prepared(chosen)
+    text, bold, data = layout(rs, cols, lambda r: _paper(table, r, cols, order))
+    if breakdown:
+        text = text.rename(columns={"CS": "Avg. (CS)"})
+        bold = bold.rename(columns={"CS": "Avg. (CS)"})
+    return text, bold, data, rs, cols
 
 
-def ruler_table(runs: list[dict]) -> str | None:
-    runs = [r for r in runs if r["config"].get("eval", {}).get("name") == "ruler" and "mean" in r["metrics"]]
-    if not runs:
+def ruler_table(runs: list[dict]):
+    chosen = [r for r in runs if isinstance(r["metrics"].get("mean"), dict)]
+    if not chosen:
         return None
-    tasks = sorted(set().union(*(r["metrics"]["mean"] for r in runs)))
-    rows = _rows(runs, lambda r: {t: r["metrics"]["mean"].get(t) for t in tasks})
-    head = ["model", "prec.", "method", "protect"] + tasks + [f"paper {t}" for t in tasks if t in P.RULER_QUANTMLA]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for k in sorted(rows, key=_order):
-        model, bits, method, protect, variant = k
-        n, row = rows[k]
-        paper = model == "deepseek_v2_lite" and bits == "C4R4" and method == "quantmla" and protect
-        ref = [_fmt(P.RULER_QUANTMLA[t]) if paper else "" for t in tasks if t in P.RULER_QUANTMLA]
-        name = _name(bits, method, variant, n)
-        lines.append(
-            "| "
-            + " | ".join([model, bits, name, "yes" if protect else "no"] + [_fmt(row.get(t)) for t in tasks] + ref)
-            + " |"
-        )
-    return "\n".join(lines)
+    rs = _prepared(chosen)
+    tasks = tuple(dict.fromkeys(k for r in rs for k in r.values if k != "avg")) + ("avg",)
+
+    def paper(r):
+        k = r.keys
+        ours = (k["model"], k["bits"], k["method"], k["protect"]) == ("deepseek_v2_lite", "C4R4", "quantmla", True)
+        return [P.RULER_QUANTMLA.get(t) for t in tasks] if ours and not k.get("variant") else None
+
+    text, bold, data = layout(rs, tasks, paper)
+    return text, bold, data, rs, tasks
 
 
-def write(root: str | Path, out: str | Path | None = None) -> tuple[str, Path]:
-    runs = read_runs(root)
-    parts = []
-    for title, table in (
-        ("Table 1 — Suite A (%)", suite_table(runs, "suite_a")),
-        ("Table 2 — Suite B (%)", suite_table(runs, "suite_b")),
-        ("RULER — mean over lengths (%)", ruler_table(runs)),
-    ):
-        if table:
-            parts.append(f"### {title}\n\n{table}")
-    if not parts:
-        raise ValueError(f"no finished suite_a, suite_b or ruler runs under {root}")
-    md = "\n\n".join(parts) + (f"\n\n- {profile_note(runs)}" if profile_note(runs) else "")
-    out = Path(out or root)
+STEPS = ("RTN", "+ content-path transform", "+ RoPE-path transform", "+ BF16 protection (full QuantMLA)")
+
+
+def table3_label(r: Row) -> str | None:
+    """The paper's Table 3 row that run configuration ``r`` is, or None."""
+    k, method = r.keys, r.runs[0]["config"]["method"]
+    if k["bits"] == "C16R16":
+        return "BF16"
+    if k["bits"] != "C4R4":
+        return None
+    paths = method.get("paths") or {}
+    if k["method"] in ("rtn", "smoothquant", "quarot") and not k["protect"]:
+        return METHODS[k["method"]]
+    if k["method"] == "quantmla" and paths.get("content", True):
+        if not paths.get("rope", True):
+            return None if k["protect"] else STEPS[1]
+        return STEPS[3] if k["protect"] else STEPS[2]
+    return None
+
+
+def table3(runs: list[dict]):
+    """Table 3: MMLU (%) of the ablation rows, each cumulative step's gain and whether it is resolved."""
+    chosen = [
+        r
+        for r in runs
+        if not (r["config"].get("eval") or {}).get("suite") and "mmlu" in (r["metrics"].get("results") or {})
+    ]
+    rs = [r for r in _prepared(chosen) if table3_label(r)]
+    if not rs:
+        return None
+    for r in rs:  # the row's label says which paths it transforms; lm-eval's fraction as the paper's percentage
+        r.keys["variant"] = " ".join(x for x in r.keys.get("variant", "").split() if not x.startswith("paths."))
+        v = r.values.get("mmlu acc", Value(None))
+        r.values = {"mmlu": Value(*(None if x is None else 100 * x for x in (v.value, v.se)), digits=2)}
+        r.spread = {"mmlu": None if r.spread.get("mmlu acc") is None else 100 * r.spread["mmlu acc"]}
+    for r in rs:  # one comparison block per model: BF16 and every C4R4 row of the ablation
+        r.block = _same({k: v for k, v in r.keys.items() if k not in (*BLOCK_FREE, "bits")})
+        r.floor, r.best = {}, {}
+    mark(rs)
+    order = ("BF16", "RTN", "SmoothQuant†", "QuaRot†", *STEPS[1:])
+    text, data = [], []
+    for block in blocks(rs).values():
+        by = sorted(block, key=lambda r: (order.index(table3_label(r)), r.keys.get("variant", "")))
+        prev = {}
+        for r in by:
+            label, v = table3_label(r), r.values["mmlu"]
+            step = STEPS.index(label) if label in STEPS else None
+            before = prev.get(step - 1) if step else None
+            c = N.compare(v, before.values["mmlu"], r.floor["mmlu"]) if before is not None else None
+            paper = P.TABLE3.get(label) if r.keys["model"] == "deepseek_v2_lite" and not r.keys.get("variant") else None
+            paper_step = paper - P.TABLE3[STEPS[step - 1]] if paper is not None and step else None
+            keys = _keys(r)
+            text.append(
+                {
+                    "model": keys["model"],
+                    "configuration": label + (f" ({r.keys['variant']})" if r.keys.get("variant") else ""),
+                }
+                | {k: keys[k] for k in ("prec.", "profile", "runs")}
+                | {
+                    "MMLU (%)": render.number(v),
+                    "step Δ": "" if c is None else f"{c.delta:+.2f}",
+                    "resolved": "" if c is None else ("yes" if c.resolved else "no"),
+                    "paper": _fmt(paper) if paper is not None else "",
+                    "paper step Δ": "" if paper_step is None else f"{paper_step:+.2f}",
+                }
+            )
+            data.append(
+                {"model": keys["model"], "configuration": label, "variant": r.keys.get("variant", "")}
+                | {
+                    "profile": keys["profile"],
+                    "runs": r.n,
+                    "mmlu": v.value,
+                    "mmlu_se": v.se,
+                    "noise_floor": r.floor["mmlu"],
+                }
+                | {"step_delta": None if c is None else c.delta, "step_threshold": None if c is None else c.threshold}
+                | {"step_resolved": None if c is None else c.resolved, "paper": paper}
+            )
+            if step is not None:
+                prev[step] = r
+        floor = by[0].floor.get("mmlu")
+        text.append({"model": "", "configuration": "noise floor", "MMLU (%)": render.spread(floor)})
+    text = pd.DataFrame(text).fillna("")
+    return text, None, pd.DataFrame(data), rs, ("mmlu",)
+
+
+TABLES = (
+    ("table1", "Table 1 — Suite A (%)", lambda runs: suite_table(runs, "suite_a")),
+    ("table8", "Table 8 — Suite A commonsense tasks (%)", lambda runs: suite_table(runs, "suite_a", breakdown=True)),
+    ("table2", "Table 2 — Suite B (%)", lambda runs: suite_table(runs, "suite_b")),
+    ("table3", "Table 3 — ablation at C4R4, MMLU 5-shot (%)", table3),
+    ("ruler", "RULER — mean over lengths (%)", ruler_table),
+)
+
+
+def figure(rs: list[Row], cols: tuple[str, ...], title: str, stem: Path) -> list[Path]:
+    """Grouped bars per column, one colour per row of ours, ± standard error; the legend below the axes."""
+    fig, ax = render.plt.subplots(figsize=(max(6.0, 1.2 * len(cols) + 2), 3.8))
+    colours = render.colours(len(rs))
+    width = 0.8 / max(len(rs), 1)
+    for i, (r, colour) in enumerate(zip(rs, colours)):
+        xs = [j + (i - (len(rs) - 1) / 2) * width for j in range(len(cols))]
+        ys = [r.values[c].value if c in r.values and r.values[c].value is not None else float("nan") for c in cols]
+        es = [r.values[c].se if c in r.values and r.values[c].se is not None else 0.0 for c in cols]
+        label = f"{r.keys['model']} {r.keys['bits']} {_method(r)}" + (" protected" if r.keys["protect"] else "")
+        ax.bar(xs, ys, width, yerr=es, color=colour, label=label, capsize=2, error_kw={"lw": 0.8})
+    ax.set_xticks(range(len(cols)), [NAMES.get(c, c) for c in cols])
+    ax.set(ylabel="score (%)", title=title)
+    ax.grid(axis="y", lw=0.3)
+    return render.save(fig, stem, ncol=2)
+
+
+def write(root: str | Path, out: str | Path | None = None) -> tuple[str, list[Path]]:
+    """Every table the runs under ``root`` can fill, into ``out`` (default ``<root>/paper``):
+    ``<table>.md/.csv/.tex`` and ``<table>.png/.pdf``, ``paper_tables.md`` (all of them),
+    ``comparisons.csv`` and ``details.csv``."""
+    scan = scan_runs(root)
+    out = Path(out) if out else Path(root) / "paper"
     out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "paper_tables.md", md + "\n")
-    return md, out / "paper_tables.md"
+    parts, files, every = [], [], []
+    for name, title, build in TABLES:
+        got = build(scan.runs)
+        if got is None:
+            continue
+        text, bold, data, rs, cols = got
+        lines = _notes(name, rs, scan)
+        files += render.table(text, bold, out / name, lines, title=title)
+        files += render.csv(data, out / f"{name}.csv")
+        files += figure(rs, cols, title, out / name)
+        parts.append((out / f"{name}.md").read_text().rstrip("\n"))
+        every += rs
+    if not parts:
+        raise ValueError(f"no finished suite_a, suite_b, MMLU or ruler runs under {root}")
+    files += render.csv(comparisons(_unique(every)), out / "comparisons.csv")
+    files += render.csv(details(_unique(every)), out / "details.csv")
+    md = "\n\n".join(parts)
+    files += render.write_text(out / "paper_tables.md", md)
+    return md, files
+
+
+def _unique(rs: list[Row]) -> list[Row]:
+    seen, out = set(), []
+    for r in rs:
+        key = tuple(sorted(x["dir"] for x in r.runs)) + (r.block,)
+        if key not in seen:
+            seen.add(key)
+            out.append(r)
+    return out
+
+
+def _notes(name: str, rs: list[Row], scan) -> list[str]:
+    lines = notes(rs, (), scan)
+    if name != "table3":
+        lines.insert(
+            1,
+            "Each of our rows is followed by the paper's (its protection convention: baselines unprotected, QuantMLA protected).",
+        )
+    else:
+        lines[0] = lines[0].split("it. ", 1)[-1]  # no bold in this table: the steps say what is resolved
+        lines.insert(
+            1,
+            "step Δ: the gain over the previous cumulative step (RTN → + content → + RoPE → + protection); "
+            "resolved: |step Δ| > max(noise floor, SE(Δ)).",
+        )
+    return lines

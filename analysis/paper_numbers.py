@@ -31,6 +31,29 @@ TABLE1 = {
     ("moonlight_16b_a3b", "C2R4", "quantmla"): (74.22, 69.29, 75.21, 72.50, 88.21, 50.64, 72.70),
 }
 
+# Table 8 (the commonsense breakdown of Table 1's CS): HellaSwag, PIQA, ARC-E, ARC-C, WinoGrande, Avg (= CS)
+TABLE8_COLUMNS = ("hellaswag", "piqa", "arc_easy", "arc_challenge", "winogrande", "cs")
+TABLE8 = {
+    ("deepseek_v2_lite", "C16R16", None): (77.76, 79.87, 74.28, 46.16, 70.72, 69.76),
+    ("deepseek_v2_lite", "C4R4", "rtn"): (75.20, 78.45, 70.03, 44.71, 67.48, 67.17),
+    ("deepseek_v2_lite", "C4R4", "smoothquant"): (75.64, 78.73, 71.97, 44.11, 70.72, 68.23),
+    ("deepseek_v2_lite", "C4R4", "quarot"): (76.64, 79.27, 73.86, 45.73, 69.53, 69.01),
+    ("deepseek_v2_lite", "C4R4", "quantmla"): (77.84, 80.14, 74.33, 46.50, 70.80, 69.92),
+    ("deepseek_v2_lite", "C2R4", "rtn"): (69.69, 75.41, 66.16, 38.14, 61.64, 62.21),
+    ("deepseek_v2_lite", "C2R4", "smoothquant"): (73.36, 77.58, 69.82, 42.58, 66.30, 65.93),
+    ("deepseek_v2_lite", "C2R4", "quarot"): (72.35, 75.57, 67.72, 41.55, 64.40, 64.32),
+    ("deepseek_v2_lite", "C2R4", "quantmla"): (77.82, 80.36, 74.16, 46.42, 70.48, 69.85),
+    ("moonlight_16b_a3b", "C16R16", None): (78.28, 80.79, 82.53, 58.02, 71.98, 74.32),
+    ("moonlight_16b_a3b", "C4R4", "rtn"): (77.78, 80.90, 83.29, 57.25, 70.48, 73.94),
+    ("moonlight_16b_a3b", "C4R4", "smoothquant"): (77.26, 81.01, 81.99, 55.97, 70.72, 73.39),
+    ("moonlight_16b_a3b", "C4R4", "quarot"): (78.59, 80.63, 81.82, 57.68, 71.82, 74.11),
+    ("moonlight_16b_a3b", "C4R4", "quantmla"): (78.34, 80.58, 82.58, 58.28, 71.43, 74.24),
+    ("moonlight_16b_a3b", "C2R4", "rtn"): (74.21, 77.97, 77.99, 50.68, 68.03, 69.78),
+    ("moonlight_16b_a3b", "C2R4", "smoothquant"): (70.69, 75.90, 68.43, 45.31, 64.40, 64.95),
+    ("moonlight_16b_a3b", "C2R4", "quarot"): (67.37, 75.52, 67.63, 42.24, 60.85, 62.72),
+    ("moonlight_16b_a3b", "C2R4", "quantmla"): (78.32, 80.85, 82.41, 57.94, 71.59, 74.22),
+}
+
 # Table 2 (Suite B): GPQA-D, MMLU, GSM8K, MATH500, AIME25, HumanEval, LiveCodeBench, Avg
 SUITE_B_COLUMNS = (
     "gpqa_diamond_zeroshot",

@@ -99,6 +99,8 @@ class Plan:
     logger: object
     calibration: object
     record: dict  # the resolved config, checked and normalised: what the run id is made of
+    backend: str = "auto"  # the attention core's backend (noise.perturb=backend changes it)
+    noise: str = ""  # what the run's noise settings changed (quantmla.noise), empty for an ordinary run
 
     def run_record(self):
         from quantmla.tracking import RunRecord
@@ -137,7 +139,7 @@ def unquantized_reference(container: dict, top: dict) -> tuple[dict, dict]:
 
 def plan(cfg: DictConfig) -> Plan:
     """Build and validate everything a run needs, loading no model."""
-    from quantmla import methods, schema
+    from quantmla import methods, noise, schema
     from quantmla.cache import CacheSpec
     from quantmla.data import CalibrationData
     from quantmla.kernels import PageFormat, check_backend
@@ -177,6 +179,9 @@ def plan(cfg: DictConfig) -> Plan:
         PageFormat(spec.content_bits, spec.rope_bits, d_c, d_r, spec.group)  # the cache layout can hold it
         method.check(spec)
         method.check_dims(d_c, d_r)
+        backend, ev, calibration, perturbed = noise.perturb(
+            top.get("noise", {}), backend, device, ev, calibration, method
+        )
         if method.needs_data:
             calibration.check()
         ev.check()
@@ -186,7 +191,7 @@ def plan(cfg: DictConfig) -> Plan:
     except Exception as e:  # noqa: BLE001 - every validation failure becomes one line
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(msg) from e
-    return Plan(cfg, model, method, spec, ev, logger, calibration, container | top | groups)
+    return Plan(cfg, model, method, spec, ev, logger, calibration, container | top | groups, backend, perturbed)
 
 
 def run(cfg: DictConfig) -> dict:
@@ -241,7 +246,7 @@ def fused(p: Plan, cfg: DictConfig):
     model, tokenizer = p.model.load(cfg.device)
     if placement.describe(model):
         log.info("%s spread over devices (modules per device): %s", p.model.name, placement.describe(model))
-    layers = attention.install(model, CacheSpec(group=p.spec.group), backend=str(cfg.get("backend", "auto")))
+    layers = attention.install(model, CacheSpec(group=p.spec.group), backend=p.backend)
     p.method.apply(
         model,
         mla.adapters(model),
@@ -274,6 +279,10 @@ def _execute(p: Plan, cfg: DictConfig, record) -> dict:
         metrics = p.eval.run(model, tokenizer, ctx)
         if p.method.info:
             metrics["method"] = p.method.info
+        if p.method.needs_data:  # the banks it read (analysis marks rows calibrated off the paper's recipe)
+            metrics["calibration"] = p.calibration.to_dict()
+        if p.noise:
+            metrics["noise"] = {"applied": p.noise}
         record.finish(metrics)
         p.logger.log(metrics)
         ok = True

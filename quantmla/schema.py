@@ -34,6 +34,15 @@ class Bits:
 
 
 @dataclass
+class Noise:
+    """A repeat of a run under a change that should not change its result (:mod:`quantmla.noise`):
+    ``perturb`` names the change, ``seed`` numbers the variant. ``none``/0 is the ordinary run."""
+
+    perturb: str = "none"
+    seed: int = 0
+
+
+@dataclass
 class Settings:
     """The run config's keys besides the instantiated groups (model, method, eval, logger, calibration)."""
 
@@ -46,6 +55,7 @@ class Settings:
     profile: str = "full"  # conf/profile/<name>.yaml: full, or smoke (a check on a small budget)
     protect: Protect = field(default_factory=Protect)
     bits: Bits = field(default_factory=Bits)
+    noise: Noise = field(default_factory=Noise)
 
 
 INSTANTIATED = ("model", "method", "eval", "logger", "calibration")

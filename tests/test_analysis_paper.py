@@ -1,11 +1,13 @@
 """Paper-layout tables from run records, with the published numbers beside matching rows."""
 
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from analysis import paper_numbers as P
@@ -40,11 +42,18 @@ def _results(row):
     return r
 
 
+def _section(stdout: str, title: str) -> list[list[str]]:
+    """The cells of the rows of one printed table (the header and rule left out)."""
+    part = stdout.split(f"### {title}")[1].split("###")[0]
+    lines = [x for x in part.splitlines() if x.startswith("|")][2:]
+    return [[c.strip().strip("*") for c in x.split("|")[1:-1]] for x in lines]
+
+
 def test_table1_layout_recomputes_the_paper_average(tmp_path):
     row = P.TABLE1[("deepseek_v2_lite", "C4R4", "quantmla")]
     _record(tmp_path, "deepseek_v2_lite", "c4r4", "quantmla", True, _results(row))
-    # the same numbers under the other protection convention: no paper value beside it
-    _record(tmp_path, "deepseek_v2_lite", "c4r4", "quantmla", False, _results(row), seed=1)
+    # the same numbers under the other protection convention: no paper row beneath it
+    _record(tmp_path, "deepseek_v2_lite", "c4r4", "quantmla", False, _results(row))
     bf16 = _results(P.TABLE1[("deepseek_v2_lite", "C16R16", None)])
     _record(tmp_path, "deepseek_v2_lite", "c16r16", "rtn", False, bf16)
     _record(tmp_path, "deepseek_v2_lite", "c16r16", "smoothquant", False, bf16)  # BF16 again: one row, said so
@@ -52,16 +61,25 @@ def test_table1_layout_recomputes_the_paper_average(tmp_path):
         [sys.executable, "-m", "analysis", "paper", str(tmp_path / "t1")], capture_output=True, text=True
     )
     assert r.returncode == 0, r.stderr
-    lines = [line for line in r.stdout.splitlines() if line.startswith("| deepseek_v2_lite")]
-    assert len(lines) == 3
-    bf, unprot, prot = lines
-    assert bf.startswith("| deepseek_v2_lite | C16R16 | — (mean of 2) | no | 69.76 | 57.90 | 36.92 |")
+    cells = _section(r.stdout, "Table 1 — Suite A (%)")
+    # BF16 (2 runs, their spread is a noise floor of 0), its paper row; C4R4 unprotected; protected, its paper row
+    assert [c[2] for c in cells] == ["—", "paper", "noise floor", "QuantMLA", "QuantMLA", "paper"]
+    bf, bf_paper, floor, unprot, prot, prot_paper = cells
+    assert bf[:6] == ["deepseek_v2_lite", "C16R16", "—", "", "paper", "2"] and floor[6] == "0"
+    # the paper's per-task numbers, each one, beneath ours
+    assert bf_paper[6:] == [f"{x:.2f}" for x in P.TABLE1[("deepseek_v2_lite", "C16R16", None)]]
+    assert prot_paper[6:] == [f"{x:.2f}" for x in row]
     # our average (ten equal weights) equals the published Avg. to the paper's rounding (±0.01)
-    for line, paper in ((bf, 66.80), (prot, 66.54)):
-        ours, printed = (float(c) for c in line.split("|")[-3:-1])
-        assert printed == paper and abs(ours - paper) <= 0.011
-    assert unprot.endswith("| 66.54 |  |")
-    assert (tmp_path / "t1" / "paper_tables.md").exists()
+    for ours, paper in ((bf, 66.80), (prot, 66.54)):
+        assert abs(float(ours[-1].split(" ± ")[0]) - paper) <= 0.011
+    assert unprot[3] == "no" and prot[3] == "yes"
+    table8 = _section(r.stdout, "Table 8 — Suite A commonsense tasks (%)")
+    assert table8[-1][6:] == [f"{x:.2f}" for x in P.TABLE8[("deepseek_v2_lite", "C4R4", "quantmla")]]
+    out = tmp_path / "t1" / "paper"
+    for name in ("table1", "table8"):
+        for ext in ("md", "csv", "tex", "png", "pdf"):
+            assert (out / f"{name}.{ext}").stat().st_size > 0, (name, ext)
+    assert (out / "paper_tables.md").exists() and (out / "details.csv").exists()
 
 
 def test_missing_task_leaves_the_average_empty(tmp_path):
@@ -71,9 +89,8 @@ def test_missing_task_leaves_the_average_empty(tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "analysis", "paper", str(tmp_path / "t1")], capture_output=True, text=True
     )
-    (line,) = [x for x in r.stdout.splitlines() if x.startswith("| moonlight")]
-    cells = [c.strip() for c in line.split("|")[1:-1]]
-    assert cells[7] == "n/a" and cells[10] == "n/a" and cells[11] == "72.46"
+    ours, paper = _section(r.stdout, "Table 1 — Suite A (%)")
+    assert ours[9] == "n/a" and ours[12] == "n/a" and paper[12] == "72.46"
 
 
 def test_no_runs_is_an_error(tmp_path):
@@ -126,3 +143,117 @@ def test_latency_table_and_figure_from_the_committed_table9_records(tmp_path):
     assert "| 32 | 1M | +7.11 | -7.21 | 33701.48 | 33609.17 | -0.27 |" in rows
     assert (tmp_path / "table9.png").stat().st_size > 10_000
     assert main(["latency", str(results / "decode-20261203-132456.json"), "--out", str(tmp_path)]) == 2
+
+
+def _mmlu_record(root, bits, method, protect, acc, paths=None, noise=None):
+    cfg = {
+        "model": {"name": "deepseek_v2_lite"},
+        "method": {"_target_": f"x.{method}", "name": method} | ({"paths": paths} if paths else {}),
+        "bits": {"name": bits},
+        "protect": {"enabled": protect},
+        "eval": {"name": "lm_eval", "tasks": [{"task": "mmlu", "num_fewshot": 5}], "suite": None},
+    } | ({"noise": noise} if noise else {})
+    rec = RunRecord(root, "t3", cfg)
+    rec.start()
+    rec.finish({"results": {"mmlu": {"acc,none": acc / 100, "acc_stderr,none": 0.01}}})
+
+
+def test_table3_steps_are_resolved_by_the_noise_floor_and_their_errors(tmp_path):
+    """Table 3 from its seven rows (the paper's numbers as our scores): each cumulative step's gain, the
+    paper's beside it, and resolved only when |Δ| > max(noise floor, SE(Δ)): with per-row SE 1.0 pt and
+    a floor of 0.5 pt (RTN under another batch size), SE(Δ) = √2 pt: +1.22 is not resolved, +3.19 and
+    +1.64 are."""
+    T = P.TABLE3
+    _mmlu_record(tmp_path, "c16r16", "rtn", False, T["BF16"])
+    _mmlu_record(tmp_path, "c4r4", "rtn", False, T["RTN"])
+    _mmlu_record(tmp_path, "c4r4", "rtn", False, T["RTN"] - 0.5, noise={"perturb": "batch", "seed": 0})
+    _mmlu_record(tmp_path, "c4r4", "smoothquant", False, T["SmoothQuant†"])
+    _mmlu_record(tmp_path, "c4r4", "quarot", False, T["QuaRot†"])
+    steps = ("+ content-path transform", "+ RoPE-path transform", "+ BF16 protection (full QuantMLA)")
+    for label, rope, protect in zip(steps, (False, True, True), (False, False, True)):
+        _mmlu_record(tmp_path, "c4r4", "quantmla", protect, T[label], paths={"content": True, "rope": rope})
+    r = subprocess.run(
+        [sys.executable, "-m", "analysis", "paper", str(tmp_path / "t3"), "--out", str(tmp_path / "o")],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    cells = _section(r.stdout, "Table 3 — ablation at C4R4, MMLU 5-shot (%)")
+    got = {c[1]: c for c in cells}
+    assert [c[1] for c in cells] == ["BF16", "RTN", "SmoothQuant†", "QuaRot†", *steps, "noise floor"]
+    for label, paper in T.items():
+        assert got[label][5].split(" ± ")[0] == f"{paper:.2f}" and got[label][8] == f"{paper:.2f}"
+    assert got["RTN"][4] == "2"  # the ordinary run and its noise-floor run
+    assert got["noise floor"][5] == "0.5"
+    step = {label: (got[label][6], got[label][7], got[label][9]) for label in steps}
+    assert step == {
+        "+ content-path transform": ("+1.22", "no", "+1.22"),
+        "+ RoPE-path transform": ("+3.19", "yes", "+3.19"),
+        "+ BF16 protection (full QuantMLA)": ("+1.64", "yes", "+1.64"),
+    }
+    data = pd.read_csv(tmp_path / "o" / "table3.csv")
+    first = data[data["configuration"] == "+ content-path transform"].iloc[0]
+    assert first["step_threshold"] == pytest.approx(math.sqrt(2) * 1.0) and first["noise_floor"] == pytest.approx(0.5)
+    assert (tmp_path / "o" / "table3.tex").read_text().count("\\\\") >= 9
+
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def test_tables_regenerate_from_the_committed_records(tmp_path):
+    """tests/data/runs holds records of real tiny-model runs (tests/data/make_runs.sh): Suite A on the
+    quick profile, Table 3's ablation on MMLU, perplexity of every method with RTN's noise floor.
+    Regenerating the tables from them gives the committed tests/data/rendered files, in seconds,
+    without torch (no model is loaded)."""
+    script = (
+        "import sys, time; t = time.time(); from analysis.__main__ import main; "
+        f"assert main(['paper', {str(DATA / 'runs')!r}, '--out', {str(tmp_path / 'paper')!r}]) == 0; "
+        f"assert main(['table', {str(DATA / 'runs' / 'ppl')!r}, '--out', {str(tmp_path / 'table')!r}]) == 0; "
+        "print('torch' in sys.modules, round(time.time() - t, 1), file=sys.stderr)"
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    loaded, seconds = r.stderr.split()[-2:]
+    assert loaded == "False" and float(seconds) < 60
+    for kind in ("paper", "table"):
+        expected = sorted(p.name for p in (DATA / "rendered" / kind).iterdir())
+        assert expected, kind
+        for name in expected:
+            assert (tmp_path / kind / name).read_text() == (DATA / "rendered" / kind / name).read_text(), name
+    # what a reviewer pastes: the suites' tasks and averages, no subtask columns, marked quick rows
+    table1 = (tmp_path / "paper" / "table1.md").read_text()
+    head = next(line for line in table1.splitlines() if line.startswith("| model"))
+    assert len(head.split("|")) - 2 == 13 and "mmlu_" not in table1
+    assert "quick eval, limit 2/task" in table1 and "noise floor" in table1
+    details = pd.read_csv(tmp_path / "paper" / "details.csv")
+    assert details["metric"].str.startswith("subtasks/mmlu_").any()
+    for name in ("table1", "table8", "table3"):
+        assert (tmp_path / "paper" / f"{name}.pdf").read_bytes().startswith(b"%PDF")
+        assert (tmp_path / "paper" / f"{name}.png").stat().st_size > 10_000
+    ppl = pd.read_csv(tmp_path / "table" / "table.csv")
+    assert set(ppl["method"]) == {"rtn", "smoothquant", "quarot", "quantmla"} and ppl["ppl_noise"].notna().all()
+    assert "method/" not in (tmp_path / "table" / "table.md").read_text()  # diagnostics go to details.csv
+    assert pd.read_csv(tmp_path / "table" / "details.csv")["metric"].str.startswith("method/").any()
+
+
+def test_ten_series_get_ten_colours_and_the_legend_stays_off_the_data(tmp_path):
+    """The Table 9 plot with ten records: eleven distinct colours (BF16 and each record's C4R4), the legend
+    below the axes in both PNG and PDF."""
+    from analysis import latency, render
+
+    for n in (10, 11, 20):
+        assert len(set(render.colours(n))) == n
+    base = json.loads((Path(__file__).resolve().parents[1] / "bench/results/table9-20261201-063453.json").read_text())
+    paths = []
+    for i in range(10):
+        rec = base | {"rows": [r | {"delta_pct": r["delta_pct"] + i} for r in base["rows"]]}
+        paths.append(tmp_path / f"table9-{i}.json")
+        paths[-1].write_text(json.dumps(rec))
+    _, files = latency.write(paths, tmp_path / "out")
+    assert [f.suffix for f in files] == [".md", ".csv", ".png", ".pdf"]
+    fig = latency.draw(latency.frame([latency.load(p) for p in paths]))
+    fig.canvas.draw()
+    (legend,) = fig.legends
+    assert len(legend.get_texts()) == 2 + 1 + 10 + 1  # paper BF16/C4R4, our BF16, ten C4R4, paper Δ
+    assert legend.get_window_extent().y1 < min(a.get_window_extent().y0 for a in fig.axes)
+    colours = {tuple(line.get_color()) for a in fig.axes for line in a.get_lines() if line.get_marker() in ("o", "s")}
+    assert len(colours) == 11

@@ -116,7 +116,7 @@ def test_sweep_runs_as_slurm_jobs(slurm, tmp_path):
     assert [s.read_text().strip() for s in statuses] == ["done", "done"]
     logs = list((tmp_path / "slurm").glob(".hydra/*/.submitit/*/*_log.out"))
     assert len(logs) == 2, "each job must have run through sbatch"
-    assert "| tiny | rtn | C2R4 |" in r.stdout
+    assert "| tiny | rtn | C2R4 |" in " ".join(r.stdout.split())
 
 
 def _job_ids(root: Path) -> list[str]:
