@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from quantmla import data, placement
 from quantmla.evals import Eval, EvalContext
+from quantmla.progress import bar as progress_bar
 
 
 @dataclass
@@ -59,7 +59,7 @@ class Perplexity(Eval):
         w = self.windows(tokenizer)
         device = placement.execution_device(model)
         nll, count = 0.0, 0
-        bar = tqdm(range(0, len(w), self.batch_size), desc="ppl", unit="batch", disable=not ctx.progress)
+        bar = progress_bar(range(0, len(w), self.batch_size), desc="ppl", unit="batch", enabled=ctx.progress)
         for s in bar:
             ids = w[s : s + self.batch_size].to(device)
             logits = model(ids, use_cache=False).logits.float()
