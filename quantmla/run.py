@@ -183,13 +183,34 @@ def run_plan(p: Plan) -> dict:
             )
             return record.metrics()
         record.start()
-        log.info("run %s → %s", record.id, record.dir)
+        logfile = _link_log(record.dir)
+        log.info("run %s → %s%s", record.id, record.dir, f" (log: {logfile})" if logfile else "")
         try:
             with record.watch_signals():
                 return _execute(p, p.cfg, record)
         except BaseException as e:
             record.fail(e)
             raise
+
+
+def _link_log(run_dir: Path) -> Path | None:
+    """``<run>/log``: a link to the log file this process writes (Hydra's ``<job>.log``), so that a run's
+    record leads to its log; the latest attempt's where a run was retried. Returns the log file."""
+    files = [Path(h.baseFilename) for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    if not files:
+        return None
+    link, tmp = run_dir / "log", run_dir / f".log.{os.getpid()}"
+    try:
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(os.path.relpath(files[0], run_dir))
+        os.replace(tmp, link)
+    except OSError as e:  # a file system without links: the path, as text
+        log.debug("no link to the log (%s)", e)
+        tmp.unlink(missing_ok=True)
+        from quantmla.files import write_atomic
+
+        write_atomic(link, f"{files[0]}\n")
+    return files[0]
 
 
 def prepare(p: Plan, cfg: DictConfig):
@@ -225,7 +246,7 @@ def fused(p: Plan, cfg: DictConfig):
             device=placement.execution_device(model),
             cache_dir=Path(cfg.runs_dir) / ".transforms",
             calibration=p.calibration,
-            progress=sys.stderr.isatty(),
+            progress=True,  # a bar on a terminal, periodic lines in a log (quantmla.progress)
         ),
     )
     return model, tokenizer, layers
@@ -241,7 +262,7 @@ def _execute(p: Plan, cfg: DictConfig, record) -> dict:
         ctx = EvalContext(
             model_name=p.model.name,
             max_positions=getattr(model.config, "max_position_embeddings", None),
-            progress=sys.stderr.isatty(),
+            progress=True,
             work_dir=str(record.dir),
         )
         metrics = p.eval.run(model, tokenizer, ctx)
@@ -250,7 +271,7 @@ def _execute(p: Plan, cfg: DictConfig, record) -> dict:
         record.finish(metrics)
         p.logger.log(metrics)
         ok = True
-        log.info("done %s: %s", record.id, {k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+        log.info("done %s: %s", record.id, p.eval.summary(metrics))
         return metrics
     finally:
         p.logger.finish(ok)

@@ -17,6 +17,7 @@ SCRIPTS = {
     "quantmla-run": "quantmla.run:cli",
     "quantmla-analysis": "analysis.__main__:main",
     "quantmla-export": "quantmla.export:main",
+    "quantmla-lm-eval": "quantmla.evals.cli:main",
 }
 # What a console script's wrapper does: load the entry point, call it with the script's argv, exit with it.
 WRAPPER = """
@@ -58,6 +59,7 @@ def test_installed_scripts_match_where_this_checkout_is_installed():
         ("quantmla-analysis", ["table", "no-such-folder"], 2, "error: no-such-folder is not a folder of runs"),
         ("quantmla-export", ["--help"], 0, "usage: python -m quantmla.export"),
         ("quantmla-export", ["method=nope"], 2, "error: In 'run': Could not find 'method/nope'"),
+        ("quantmla-lm-eval", ["run", "--help"], 0, "--model_args"),
     ],
 )
 def test_script_answers_help_and_bad_input(name, args, rc, expect, tmp_path):
