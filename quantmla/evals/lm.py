@@ -22,7 +22,9 @@ command line, with the class registered (``quantmla-lm-eval``, :mod:`quantmla.ev
 other harness keys of ``model_args`` (:data:`HARNESS_KEYS`, dotted for nested fields:
 ``method.steps=40``, ``protect.enabled=false``, ``calibration=quick``) become Hydra overrides of the
 run config, checked and typed as a run's (:func:`quantmla.run.plan`); the rest go to ``HFLM``
-(``max_length``, ``enable_thinking``, ...). ``--device`` is the run's ``device``.
+(``max_length``, ``enable_thinking``, ...). ``--device`` is the run's ``device``. A method's calibrated
+transforms are stored and reused under ``<runs_dir>/.transforms`` (``runs_dir=runs`` unless given), the
+same store ``python -m quantmla.run`` uses.
 """
 
 from __future__ import annotations
