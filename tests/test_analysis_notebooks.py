@@ -89,7 +89,7 @@ def _same_text_and_numbers(stored: str, fresh: str, where: str) -> None:
 
 def check_stored_matches(path: Path, fresh: dict) -> None:
     stored = _load(path)
-    assert [c["source"] for c in stored["cells"]] == [c["source"] for c in fresh["cells"]]
+    assert ["".join(c["source"]) for c in stored["cells"]] == ["".join(c["source"]) for c in fresh["cells"]]
     for i, (s, f) in enumerate(zip(_code(stored), _code(fresh))):
         _same_text_and_numbers(_printed(s), _printed(f), f"{path.name}, code cell {i}")
     assert _figures(fresh) == _figures(stored) == FIGURES[path.name]
