@@ -22,12 +22,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
 
 from quantmla import placement
 from quantmla.attention import LatentAttention, capture_inputs, latent_layers, layer_output
 from quantmla.cache import CacheSpec
 from quantmla.mla import MLA
+from quantmla.progress import bar
 from quantmla.transforms import (
     LayerTransform,
     check_rope_pairing,
@@ -286,7 +286,7 @@ def activation_percentiles(
     tokens = ids.numel()
     acc_C: list[Percentile] = []
     acc_P: list[Percentile] = []
-    for batch in tqdm(list(batches(ids, batch_size)), desc="statistics", unit="batch", disable=not progress):
+    for batch in bar(list(batches(ids, batch_size)), desc="statistics", unit="batch", enabled=progress):
         for lb in layer_batches(model, batch, outputs=False):
             if lb.index == len(acc_C):
                 acc_C.append(Percentile(tokens, q))
@@ -324,7 +324,7 @@ def heldout_mean(
     sums: dict = {}
     count = 0
     n_batches = -(-len(teacher) // teacher.batch_size)
-    for windows, layers in tqdm(teacher, total=n_batches, desc=desc, unit="batch", disable=not progress, leave=False):
+    for windows, layers in bar(teacher, total=n_batches, desc=desc, unit="batch", enabled=progress, leave=False):
         n_layers = 0
         for lb in layers:
             for k, v in fn(lb).items():

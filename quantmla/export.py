@@ -59,9 +59,7 @@ example: python -m quantmla.export model=smollm2_mla method=quantmla bits=c4r4 o
 
 def split_argv(argv: list[str]) -> tuple[list[str], str | None]:
     """(Hydra overrides, out) from the command line; ConfigError for flags and sweeps."""
-    from hydra.errors import HydraException
-
-    from quantmla.run import _sweep_jobs
+    from quantmla.run import jobs_of
 
     overrides, out = [], None
     for a in argv:
@@ -73,12 +71,9 @@ def split_argv(argv: list[str]) -> tuple[list[str], str | None]:
                 raise ConfigError("out= needs a folder")
         else:
             overrides.append(a)
-    try:
-        jobs = _sweep_jobs(overrides)
-    except HydraException as e:
-        raise ConfigError(f"cannot parse overrides: {str(e).splitlines()[0]}") from None
-    if len(jobs) > 1:
-        raise ConfigError(f"an export writes one model, and these overrides name {len(jobs)} (a sweep); give one value")
+    jobs = len(jobs_of(overrides))
+    if jobs > 1:
+        raise ConfigError(f"an export writes one model, and these overrides name {jobs} (a sweep); give one value")
     return overrides, out
 
 
@@ -89,7 +84,7 @@ def compose(overrides: list[str]) -> DictConfig:
 
     from quantmla.run import validate_argv
 
-    validate_argv(overrides)  # unknown group options listed, then compose + plan
+    validate_argv(overrides)  # composed and planned as quantmla.run checks a command line
     with initialize_config_dir(str(conf_dir()), version_base="1.3"):
         return hydra_compose("run", overrides=overrides)
 

@@ -29,10 +29,11 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-from tqdm.auto import tqdm
 
 from quantmla.calibration import LayerBatch, Teacher, heldout_mean
 from quantmla.files import reason, replacing, set_aside
+from quantmla.progress import bar as progress_bar
+from quantmla.progress import interactive
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +176,7 @@ def train_path(
     if due(state["step"]) and (not state["history"] or state["history"][-1][0] != state["step"]):
         validate(state["step"])  # at the start, or where an interruption fell between an update and its validation
         save()
-    bar = tqdm(range(state["step"], schedule.steps), desc=desc, unit="step", disable=not progress)
+    bar = progress_bar(range(state["step"], schedule.steps), desc=desc, unit="step", enabled=progress)
     last_val = state["history"][-1][1]
     try:
         for k in bar:
@@ -198,7 +199,7 @@ def train_path(
             if due(state["step"]):
                 last_val = validate(state["step"])
                 save()
-                if not progress:  # no bar (a log file, a SLURM job): one line per validation
+                if not (progress and interactive()):  # no bar on a terminal: one line per validation in the log
                     log.info(
                         "%s step %d/%d: train %.4g, held-out %.4g (best %.4g at step %d)",
                         desc, state["step"], schedule.steps, total, last_val,

@@ -1,8 +1,10 @@
 """One run: config → model → method → quantized cache → evaluation → run record + W&B.
 
-``python -m quantmla.run [hydra overrides]`` (``-m`` for a sweep). Every job of a sweep is
-composed and validated first, so bad input stops with one line and exit code 2 before any
-model is loaded. From code, call :func:`run` with a composed config.
+``python -m quantmla.run [hydra overrides]`` (``-m`` for a sweep) is Hydra's own command line. A run's
+config is validated before its folder is made, and every job of a sweep before the first one launches
+(the :class:`CheckConfig` callback): bad input stops with one line and exit code 2 before any model
+is loaded, while what Hydra itself refuses (an override that does not parse or compose) is reported
+by Hydra, in full. From code, call :func:`run` with a composed config.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -215,13 +218,34 @@ def run_plan(p: Plan) -> dict:
             )
             return record.metrics()
         record.start()
-        log.info("run %s → %s", record.id, record.dir)
+        logfile = _link_log(record.dir)
+        log.info("run %s → %s%s", record.id, record.dir, f" (log: {logfile})" if logfile else "")
         try:
             with record.watch_signals():
                 return _execute(p, p.cfg, record)
         except BaseException as e:
             record.fail(e)
             raise
+
+
+def _link_log(run_dir: Path) -> Path | None:
+    """``<run>/log``: a link to the log file this process writes (Hydra's ``<job>.log``), so that a run's
+    record leads to its log; the latest attempt's where a run was retried. Returns the log file."""
+    files = [Path(h.baseFilename) for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    if not files:
+        return None
+    link, tmp = run_dir / "log", run_dir / f".log.{os.getpid()}"
+    try:
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(os.path.relpath(files[0], run_dir))
+        os.replace(tmp, link)
+    except OSError as e:  # a file system without links: the path, as text
+        log.debug("no link to the log (%s)", e)
+        tmp.unlink(missing_ok=True)
+        from quantmla.files import write_atomic
+
+        write_atomic(link, f"{files[0]}\n")
+    return files[0]
 
 
 def prepare(p: Plan, cfg: DictConfig):
@@ -257,7 +281,7 @@ def fused(p: Plan, cfg: DictConfig):
             device=placement.execution_device(model),
             cache_dir=Path(cfg.runs_dir) / ".transforms",
             calibration=p.calibration,
-            progress=sys.stderr.isatty(),
+            progress=True,  # a bar on a terminal, periodic lines in a log (quantmla.progress)
         ),
     )
     return model, tokenizer, layers
@@ -273,7 +297,7 @@ def _execute(p: Plan, cfg: DictConfig, record) -> dict:
         ctx = EvalContext(
             model_name=p.model.name,
             max_positions=getattr(model.config, "max_position_embeddings", None),
-            progress=sys.stderr.isatty(),
+            progress=True,
             work_dir=str(record.dir),
         )
         metrics = p.eval.run(model, tokenizer, ctx)
@@ -286,7 +310,7 @@ def _execute(p: Plan, cfg: DictConfig, record) -> dict:
         record.finish(metrics)
         p.logger.log(metrics)
         ok = True
-        log.info("done %s: %s", record.id, {k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+        log.info("done %s: %s", record.id, p.eval.summary(metrics))
         return metrics
     finally:
         p.logger.finish(ok)
@@ -297,7 +321,7 @@ def _hydra_main():
 
     @hydra.main(config_path=str(conf_dir()), config_name="run", version_base="1.3")
     def main(cfg: DictConfig) -> None:
-        try:
+        try:  # checked already by CheckConfig; planned again here, where a launcher runs the job
             p = plan(cfg)
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
@@ -345,104 +369,128 @@ def _job_result(p: Plan, error: Exception | None) -> None:
     write_atomic(out / "job.json", json.dumps(result, indent=1))
 
 
-def _sweep_jobs(overrides: list[str]) -> list[list[str]]:
-    """Expand Hydra sweep syntax (a,b / range / choice) into the jobs' override lists."""
-    import itertools
+BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 
+
+def sweep_jobs(master: DictConfig) -> list[list[str]] | None:
+    """The task overrides of every job that Hydra's basic sweeper launches from ``master`` (a sweep's
+    config, ``hydra`` node included): ``hydra.sweeper.params`` (an experiment file's) and then the
+    command line's overrides, expanded as the sweeper expands them (``a,b``, ``range``, ``glob``; a key
+    given on the command line wins). None for another sweeper, whose jobs are known only as it runs."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    parsed = OverridesParser.create().parse_overrides(overrides)
-    axes = []
-    for ov in parsed:
-        key = ov.get_key_element()
-        if ov.is_sweep_override():
-            axes.append([f"{key}={v}" for v in ov.sweep_string_iterator()])
-        else:
-            axes.append([ov.input_line])
-    return [list(c) for c in itertools.product(*axes)]
+    if master.hydra.sweeper.get("_target_") != BASIC_SWEEPER:
+        return None
+    params = [f"{k}={v}" for k, v in (master.hydra.sweeper.get("params") or {}).items()]
+    parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
+    overrides = parser.parse_overrides([*params, *master.hydra.overrides.task])
+    return BasicSweeper.split_arguments(overrides, None)[0]
+
+
+def check_sweep(master: DictConfig) -> int:
+    """Compose every job of the sweep ``master`` as its launcher will, and :func:`plan` it (ConfigError on
+    the first bad one; Hydra's own exception, whole, where a job does not compose). Returns the number of
+    jobs checked (0 where the sweeper is not Hydra's basic one: each job then checks itself)."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    jobs = sweep_jobs(master) or []
+    loader = GlobalHydra.instance().config_loader()
+    for job in jobs:
+        full = loader.load_sweep_config(master, job)
+        plan(OmegaConf.masked_copy(full, [k for k in full if k != "hydra"]))
+    return len(jobs)
+
+
+class CheckConfig(Callback):
+    """Hydra callback (``hydra.callbacks.check`` in conf/run.yaml): before a run makes its folder, or a sweep
+    launches its first job, the config of every job is composed and validated, so bad input stops with
+    one line and exit code 2 before any model is loaded or any folder made."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        self._check(lambda: plan(OmegaConf.masked_copy(config, [k for k in config if k != "hydra"])))
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        n = self._check(lambda: check_sweep(config))
+        if n:
+            log.info("checked the %d job(s) of the sweep", n)
+
+    @staticmethod
+    def _check(fn):
+        try:
+            return fn()
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+
+
+def _master(overrides: list[str], multirun: bool = True) -> DictConfig:
+    """The config Hydra composes for a command line's ``overrides`` (``hydra`` node included), inside an
+    initialised Hydra; a sweep's config (its jobs in ``hydra.overrides.task``) where ``multirun``."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    mode = RunMode.MULTIRUN if multirun else RunMode.RUN
+    return GlobalHydra.instance().config_loader().load_configuration("run", list(overrides), run_mode=mode)
 
 
 def validate_argv(argv: list[str]) -> None:
-    """Compose and validate every job of the command line; ConfigError on the first bad one."""
-    from hydra import compose, initialize_config_dir
+    """Compose and validate every job of a command line (Hydra overrides, ``-m`` for a sweep), as
+    ``python -m quantmla.run`` does before it loads anything. ConfigError on the first bad job, with
+    Hydra's error text, whole, where the overrides do not parse or compose."""
+    from hydra import initialize_config_dir
     from hydra.errors import HydraException
 
-    overrides = [a for a in argv if not a.startswith("-") and "=" in a]
-    groups = ("model", "method", "bits", "eval", "logger", "calibration", "experiment", "row", "profile")
-    job_overrides = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
-    hydra_overrides = [o for o in overrides if o.lstrip("+~").startswith("hydra")]
-    try:
-        jobs = _sweep_jobs(job_overrides)
-    except HydraException as e:
-        raise ConfigError(f"cannot parse overrides: {str(e).splitlines()[0]}") from None
-    for job in jobs:
-        for o in job:
-            key, _, value = o.lstrip("+~").partition("=")
-            if key in groups and value not in group_options(key) and value != "null":
-                hint = f" (any other CxRy: bits.name={value})" if key == "bits" else ""
-                raise ConfigError(f"unknown {key} '{value}'; choose one of: {', '.join(group_options(key))}{hint}")
     multirun = any(a in ("-m", "--multirun") for a in argv)
+    overrides = [a for a in argv if a not in ("-m", "--multirun")]
+    flags = [a for a in overrides if a.startswith("-")]
+    if flags:
+        raise ConfigError(f"validate_argv takes Hydra overrides and -m, not {flags[0]}")
     with initialize_config_dir(str(conf_dir()), version_base="1.3"):
-        _check_hydra_groups(hydra_overrides)
-        for i, job in enumerate(jobs):
-            full = _compose_full(job, hydra_overrides) if multirun or i == 0 else None
-            for sub in _config_sweep(job, hydra_overrides, full) if multirun else [job]:
-                if sub == job and full is not None:  # the job itself: its config is the one just composed
-                    cfg = OmegaConf.masked_copy(full, [k for k in full if k != "hydra"])
-                else:
-                    try:
-                        cfg = compose("run", overrides=sub)
-                    except HydraException as e:
-                        raise ConfigError(str(e).strip().splitlines()[0]) from None
-                plan(cfg)
+        try:
+            master = _master(overrides, multirun)
+            if multirun:
+                check_sweep(master)
+            else:
+                plan(OmegaConf.masked_copy(master, [k for k in master if k != "hydra"]))
+        except HydraException as e:
+            raise ConfigError(hydra_text(e)) from None
 
 
-def _check_hydra_groups(overrides: list[str]) -> None:
-    """``hydra/<group>=<option>`` names an option Hydra has (launchers come from installed plugins too)."""
-    from hydra.core.global_hydra import GlobalHydra
-
-    loader = GlobalHydra.instance().config_loader()
-    for o in overrides:
-        key, _, value = o.lstrip("+~").partition("=")
-        if key.startswith("hydra/"):
-            options = loader.get_group_options(key)
-            if value not in options:
-                raise ConfigError(f"unknown {key} '{value}'; choose one of: {', '.join(options)}")
+def hydra_text(e: BaseException) -> str:
+    """A Hydra exception's whole text, with the errors that caused it (as Hydra's command line prints them)."""
+    parts = []
+    while e is not None:
+        parts.append(str(e).strip())
+        e = e.__cause__
+    return "\n".join(p for p in parts if p)
 
 
-def _compose_full(job: list[str], hydra_overrides: list[str] = ()) -> DictConfig:
-    """``job``'s config with Hydra's own (which checks the command line's ``hydra`` overrides)."""
-    from hydra import compose
+def jobs_of(overrides: list[str]) -> list[list[str]]:
+    """The task overrides of every job ``-m <overrides>`` launches (one job without sweep syntax);
+    ConfigError with Hydra's text where the overrides do not parse or compose."""
+    from hydra import initialize_config_dir
     from hydra.errors import HydraException
 
-    try:
-        return compose("run", overrides=[*job, *hydra_overrides], return_hydra_config=True)
-    except HydraException as e:
-        raise ConfigError(str(e).strip().splitlines()[0]) from None
-
-
-def _config_sweep(job: list[str], hydra_overrides: list[str] = (), full: DictConfig | None = None) -> list[list[str]]:
-    """The jobs a sweep's ``hydra.sweeper.params`` (set by an experiment file) adds to ``job``;
-    keys given on the command line win, as in Hydra's basic sweeper."""
-    full = full if full is not None else _compose_full(job, hydra_overrides)
-    params = full.hydra.sweeper.get("params") or {}
-    given = {o.lstrip("+~").partition("=")[0] for o in job}
-    extra = [f"{k}={v}" for k, v in params.items() if k.lstrip("+~") not in given]
-    return [job + sub for sub in _sweep_jobs(extra)] if extra else [job]
+    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
+        try:
+            master = _master(overrides)
+            return sweep_jobs(master) or [list(master.hydra.overrides.task)]
+        except HydraException as e:
+            raise ConfigError(hydra_text(e)) from None
 
 
 def cli(argv: list[str] | None = None) -> None:
+    """``python -m quantmla.run`` / ``quantmla-run``: Hydra's own command line (every Hydra flag works:
+    ``--help``, ``--cfg job``, ``-sc install=bash``, ``-m`` with any sweep syntax). ``argv`` replaces
+    ``sys.argv[1:]``, which is what Hydra reads."""
     from quantmla.tracking import exit_code, terminate_by_exception
 
-    argv = sys.argv[1:] if argv is None else argv
+    if argv is not None:
+        sys.argv = [sys.argv[0] if sys.argv else "quantmla.run", *argv]
     with terminate_by_exception():
         try:
-            if not any(a in ("-h", "--help", "--hydra-help", "--info", "-c", "--cfg") for a in argv):
-                try:
-                    validate_argv(argv)
-                except ConfigError as e:
-                    print(f"error: {e}", file=sys.stderr)
-                    sys.exit(2)
             _hydra_main()()
         except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the run is recorded interrupted
             print(f"interrupted (exit {exit_code(e)})", file=sys.stderr)

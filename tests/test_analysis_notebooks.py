@@ -1,19 +1,29 @@
-"""The notebooks under analysis/notebooks run top to bottom on the embedded model, and what their
-text tells the reader holds on the numbers they compute."""
+"""The notebooks under analysis/notebooks are stored executed (by nbclient, with their outputs and
+figures), and what their text tells the reader holds on the numbers they compute: each is executed
+again top to bottom in a fresh kernel, its printed numbers match the stored ones, and the claims of
+its markdown are checked against what it computed."""
 
+import importlib.util
 import json
 import math
-import warnings
+import pickle
+import re
 from pathlib import Path
 from statistics import median
 
-import matplotlib
 import pytest
 
 pytestmark = pytest.mark.slow  # minutes on two cores: the full suite only (scripts/test --fast skips it)
 
 NOTEBOOK_DIR = Path(__file__).resolve().parents[1] / "analysis" / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
+FIGURES = {"dual_path_sensitivity.ipynb": 4, "methods_on_caches.ipynb": 3}
+MAX_BYTES = 1_000_000
+NUMBER = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?")
+
+_spec = importlib.util.spec_from_file_location("notebooks_execute", NOTEBOOK_DIR / "execute.py")
+execute = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(execute)
 
 
 def _load(path: Path) -> dict:
@@ -22,37 +32,133 @@ def _load(path: Path) -> dict:
     return nb
 
 
-def run_notebook(path: Path) -> dict:
-    """Execute the code cells in order in one namespace (Agg backend); returns the namespace."""
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    ns = {"__name__": "__main__"}
-    code = [c for c in _load(path)["cells"] if c["cell_type"] == "code"]
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*non-interactive.*", category=UserWarning)  # plt.show() on Agg
-        for i, cell in enumerate(code):
-            exec(compile("".join(cell["source"]), f"{path.name}, code cell {i}", "exec"), ns)
-    ns["_figures"] = len(plt.get_fignums())
-    plt.close("all")
-    return ns
+def _code(nb) -> list:
+    return [c for c in nb["cells"] if c["cell_type"] == "code"]
 
 
-def test_notebooks_are_there_and_stored_without_outputs():
-    assert [p.name for p in NOTEBOOKS] == ["dual_path_sensitivity.ipynb", "methods_on_caches.ipynb"]
+def _figures(nb) -> int:
+    return sum("image/png" in o.get("data", {}) for c in _code(nb) for o in c["outputs"])
+
+
+def _printed(cell) -> str:
+    """What a code cell printed (stdout) and returned, as text."""
+    out = []
+    for o in cell["outputs"]:
+        if o["output_type"] == "stream" and o["name"] == "stdout":
+            out.append("".join(o["text"]))
+        elif o["output_type"] == "execute_result":
+            out.append("".join(o["data"].get("text/plain", "")))
+    return "".join(out)
+
+
+def _markdown(nb) -> str:
+    return "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+
+
+def run_notebook(path: Path, names: dict[str, str], tmp_path: Path) -> tuple[dict, dict]:
+    """Execute ``path`` with nbclient (a fresh kernel, top to bottom, as analysis/notebooks/execute.py
+    stores it); returns (the executed notebook, ``{name: value of expression}`` read from its kernel
+    after the last cell)."""
+    dump = tmp_path / f"{path.stem}.pkl"
+    code = (
+        "import pickle as _pickle\n"
+        f"with open({str(dump)!r}, 'wb') as _f:\n"
+        f"    _pickle.dump({{{', '.join(f'{k!r}: {v}' for k, v in names.items())}}}, _f)\n"
+    )
+    nb = execute.execute(path, extra_code=code)
+    nb.cells.pop()  # the dump cell
+    with open(dump, "rb") as f:
+        return json.loads(json.dumps(nb)), pickle.load(f)
+
+
+def _last_digit(number: str) -> float:
+    """The value of one unit in the last printed digit of ``number`` (``5.15e-03``: 1e-05); 0 for an
+    integer (a count is exact)."""
+    if not re.search(r"[.eE]", number):
+        return 0.0
+    mantissa, _, exponent = number.lower().partition("e")
+    decimals = len(mantissa.partition(".")[2])
+    return 10.0 ** (int(exponent or 0) - decimals)
+
+
+def _same_text_and_numbers(stored: str, fresh: str, where: str) -> None:
+    """The stored output is the fresh one: the same text, each number the same up to one unit in its last
+    printed digit (a rounding that falls the other way); round-off sized numbers (< 1e-12) agree as such."""
+    assert NUMBER.sub("#", stored) == NUMBER.sub("#", fresh), f"{where}: stored\n{stored}\nfresh\n{fresh}"
+    for a, b in zip(NUMBER.findall(stored), NUMBER.findall(fresh)):
+        assert abs(float(a) - float(b)) <= 1.01 * _last_digit(a) + 1e-12, f"{where}: stored {a}, fresh {b}"
+
+
+def check_stored_matches(path: Path, fresh: dict) -> None:
+    stored = _load(path)
+    assert ["".join(c["source"]) for c in stored["cells"]] == ["".join(c["source"]) for c in fresh["cells"]]
+    for i, (s, f) in enumerate(zip(_code(stored), _code(fresh))):
+        _same_text_and_numbers(_printed(s), _printed(f), f"{path.name}, code cell {i}")
+    assert _figures(fresh) == _figures(stored) == FIGURES[path.name]
+
+
+def test_notebooks_are_stored_executed_with_their_figures():
+    assert [p.name for p in NOTEBOOKS] == sorted(FIGURES)
     for path in NOTEBOOKS:
         nb = _load(path)
+        assert path.stat().st_size < MAX_BYTES, f"{path.name}: {path.stat().st_size} bytes"
+        assert nb["metadata"]["kernelspec"]["name"] == "python3"
+        code = _code(nb)
+        assert [c["execution_count"] for c in code] == list(range(1, len(code) + 1)), f"{path.name}: not run in order"
         for cell in nb["cells"]:
             assert cell.get("id"), f"{path.name}: a cell without an id"
-            if cell["cell_type"] == "code":
-                assert cell["outputs"] == [] and cell["execution_count"] is None, f"{path.name} is stored with outputs"
+        for i, cell in enumerate(code):
+            assert not [o for o in cell["outputs"] if o["output_type"] == "error"], f"{path.name}, code cell {i}"
+            assert "execution" not in cell["metadata"], "timings are not stored"
+        assert _figures(nb) == FIGURES[path.name]
 
 
-def test_dual_path_sensitivity_notebook():
-    ns = run_notebook(NOTEBOOK_DIR / "dual_path_sensitivity.ipynb")
-    assert ns["_figures"] == 4  # channels, responses, predictor, bits
+def test_printed_numbers_are_compared_to_their_last_digit():
+    _same_text_and_numbers("L 5.15e-03, n 30", "L 5.14e-03, n 30", "ok")
+    _same_text_and_numbers("off target 4.4e-16", "off target 2.2e-16", "round-off")
+    with pytest.raises(AssertionError):
+        _same_text_and_numbers("L 5.15e-03", "L 5.13e-03", "two digits off")
+    with pytest.raises(AssertionError):
+        _same_text_and_numbers("30 of 30 layers", "29 of 30 layers", "a count")
+    with pytest.raises(AssertionError):
+        _same_text_and_numbers("QuantMLA leads", "QuaRot leads", "text")
+
+
+def test_execute_refuses_a_failing_notebook(tmp_path):
+    import nbformat
+    from nbclient.exceptions import CellExecutionError
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("raise ValueError('no such number')")])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, tmp_path / "bad.ipynb")
+    with pytest.raises(CellExecutionError, match="no such number"):
+        execute.execute(tmp_path / "bad.ipynb", timeout=120)
+
+
+DUAL_PATH = {
+    k: k
+    for k in (
+        "n_layers", "R_C", "R_P", "off_target", "resp", "TARGET_NMSE", "table4", "loc", "LOCAL_NMSE", "measured",
+        "table5", "local_layers", "full", "operator", "iv", "CONTROLS", "table6", "real", "summed",
+    )
+} | {"d_c": "cfg.kv_lora_rank", "d_r": "cfg.qk_rope_head_dim"}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_dual_path_sensitivity_notebook(tmp_path):
+    path = NOTEBOOK_DIR / "dual_path_sensitivity.ipynb"
+    fresh, ns = run_notebook(path, DUAL_PATH, tmp_path)
+    check_stored_matches(path, fresh)  # channels, responses, predictor, bits: 4 figures
     n = ns["n_layers"]
     assert n == 30 and len(ns["R_C"]) == len(ns["R_P"]) == n
+
+    # What the text says of the model and the protocol is what the code ran.
+    text = _markdown(fresh)
+    layers, d_c, d_r = re.search(r"(\d+) layers, \$d_c\$ = (\d+), \$d_r\$ = (\d+)", text).groups()
+    assert (int(layers), int(d_c), int(d_r)) == (n, ns["d_c"], ns["d_r"])
+    assert f"{n} MLA layers" in _printed(_code(fresh)[1])
+    quoted = [float(x) for x in re.findall(r"cache NMSE \(?(\d+\.\d+)\)?", text)]
+    assert len(quoted) >= 2 and set(quoted) == {ns["TARGET_NMSE"]}
 
     # Section 2: the matched errors sit on the target, and the text's finding holds on this model.
     assert ns["off_target"] < 0.01
@@ -97,10 +203,33 @@ def test_dual_path_sensitivity_notebook():
     assert median(ns["summed"]["C2R4"]) < median(ns["summed"]["C4R2"])
 
 
-def test_methods_on_caches_notebook():
-    ns = run_notebook(NOTEBOOK_DIR / "methods_on_caches.ipynb")
-    assert ns["_figures"] == 3  # objectives, cached channels, cache error against output error
+METHODS = {
+    k: k
+    for k in (
+        "scores", "info", "FORMATS", "fusion_error", "spread", "aligned", "cache_trained", "end_to_end", "names",
+        "LAYERS",
+    )
+} | {"CONFIGS": "list(CONFIGS)", "calibration": "vars(calibration)", "n_model_layers": "len(adapters)"}  # fmt: skip
+
+WORDS = {"two": 2, "three": 3, "four": 4}
+
+
+@pytest.mark.slow
+def test_methods_on_caches_notebook(tmp_path):
+    path = NOTEBOOK_DIR / "methods_on_caches.ipynb"
+    fresh, ns = run_notebook(path, METHODS, tmp_path)
+    check_stored_matches(path, fresh)  # objectives, cached channels, cache error against output error
     scores, info, formats = ns["scores"], ns["info"], ns["FORMATS"]
+
+    # What the text says the code ran: the layers kept, the calibration windows.
+    text = _markdown(fresh)
+    kept = re.search(r"So the first (\w+) layers", text).group(1)
+    assert WORDS[kept] == ns["LAYERS"] == ns["n_model_layers"]
+    train, held, seq = map(
+        int, re.search(r"(\d+) training and (\d+) held-out windows of\s+(\d+) tokens", text).groups()
+    )
+    cal = ns["calibration"]
+    assert (train, held, seq) == (cal["train"], cal["heldout"], cal["seq_len"])
     base = ["SmoothQuant†", "QuaRot†", "QuantMLA"]
 
     # Section 1: every method's transforms beat RTN on both paths; QuantMLA is far ahead on the
@@ -141,7 +270,8 @@ def test_methods_on_caches_notebook():
     for n in ["RTN", *base]:
         assert e2e["c2r4", n] > e2e["c4r4", n]
     others = [e2e["c2r4", n] for n in ns["names"] if n != "QuantMLA"]
-    assert e2e["c2r4", "QuantMLA"] < 0.8 * min(others)  # "about two thirds of the next best"
+    assert "its error is about two thirds of the next best method's" in text
+    assert 0.55 < e2e["c2r4", "QuantMLA"] / min(others) < 0.8  # "about two thirds of the next best"
     for bits in formats:
         assert max(e2e[bits, "QuantMLA"], e2e[bits, "QuaRot†"]) < min(e2e[bits, "SmoothQuant†"], e2e[bits, "RTN"])
     a, b = e2e["c4r4", "QuantMLA"], e2e["c4r4", "QuaRot†"]

@@ -38,8 +38,6 @@ def _plan(*overrides):
         (["eval.seq_len=5000", "eval.max_tokens=5000"], "ppl seq_len 5000 exceeds the model's context (4096 tokens"),
         (["runs_dir="], "runs_dir must not be empty"),
         (["sweep="], "sweep must not be empty"),
-        (["-m", "hydra/launcher=nosuch"], "unknown hydra/launcher 'nosuch'; choose one of: basic, joblib, slurm"),
-        (["hydra.launcher.partition=gpu"], "Could not override 'hydra.launcher.partition'"),
         (["bits.group=32.5"], "bits.group must be an integer, got 32.5"),
         (["exact='false'"], "exact must be true or false (unquoted), got 'false'"),
         (["exact=maybe"], "exact must be true or false, got 'maybe'"),
@@ -58,6 +56,55 @@ def _plan(*overrides):
 )
 def test_refused_before_loading_with_one_line(overrides, expect):
     assert expect in _error(*overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides,lines",
+    [
+        (["model=nope"], ["In 'run': Could not find 'model/nope'", "Available options in 'model':", "\ttiny"]),
+        (
+            ["-m", "hydra/launcher=nosuch"],
+            ["In 'hydra/config': Could not find 'hydra/launcher/nosuch'", "\tjoblib", "\tslurm"],
+        ),
+        (
+            ["hydra.launcher.partition=gpu"],
+            [
+                "Could not override 'hydra.launcher.partition'.",
+                "To append to your config use +hydra.launcher.partition=gpu",
+                "Key 'partition' not in 'BasicLauncherConf'",
+            ],
+        ),
+        (
+            ["-m", "bits=glob(c*"],
+            [
+                "no viable alternative at input 'glob(c*'",
+                "See https://hydra.cc/docs/1.2/advanced/override_grammar/basic for details",
+            ],
+        ),
+    ],
+)
+def test_what_hydra_refuses_keeps_hydras_whole_text(overrides, lines):
+    with pytest.raises(ConfigError) as e:
+        validate_argv([*BASE, *overrides])
+    text = str(e.value).splitlines()
+    for line in lines:
+        assert line in text, str(e.value)
+
+
+def test_glob_sweeps_expand_to_the_groups_options():
+    """``glob()`` names a group's options as Hydra's sweeper does; every job is checked."""
+    from quantmla.run import jobs_of
+
+    jobs = jobs_of([*BASE, "bits=glob(c*r4)", "seed=1,2"])
+    assert sorted(j[2:] for j in jobs) == [
+        ["bits=c2r4", "seed=1"],
+        ["bits=c2r4", "seed=2"],
+        ["bits=c4r4", "seed=1"],
+        ["bits=c4r4", "seed=2"],
+    ]
+    validate_argv(["-m", *BASE, "bits=glob(c*)"])
+    msg = _error("-m", "bits=glob(c*r4)", "bits.group=48")  # the c2r4 and c4r4 jobs: both refuse a group of 48
+    assert msg == "group size 48 does not divide the content latent width 128"
 
 
 def _cuda() -> bool:

@@ -17,6 +17,7 @@ SCRIPTS = {
     "quantmla-run": "quantmla.run:cli",
     "quantmla-analysis": "analysis.__main__:main",
     "quantmla-export": "quantmla.export:main",
+    "quantmla-lm-eval": "quantmla.evals.cli:main",
 }
 # What a console script's wrapper does: load the entry point, call it with the script's argv, exit with it.
 WRAPPER = """
@@ -53,11 +54,13 @@ def test_installed_scripts_match_where_this_checkout_is_installed():
     "name,args,rc,expect",
     [
         ("quantmla-run", ["--help"], 0, "== Configuration groups =="),
-        ("quantmla-run", ["model=nope"], 2, "error: unknown model 'nope'; choose one of: "),
+        ("quantmla-run", ["bits.name=c5r4"], 2, "error: content bits 5 is not supported"),
+        ("quantmla-run", ["model=nope"], 1, "In 'run': Could not find 'model/nope'"),
         ("quantmla-analysis", ["--help"], 0, "usage: python -m analysis"),
         ("quantmla-analysis", ["table", "no-such-folder"], 2, "error: no-such-folder is not a folder of runs"),
         ("quantmla-export", ["--help"], 0, "usage: python -m quantmla.export"),
-        ("quantmla-export", ["method=nope"], 2, "error: unknown method 'nope'; choose one of: "),
+        ("quantmla-export", ["method=nope"], 2, "error: In 'run': Could not find 'method/nope'"),
+        ("quantmla-lm-eval", ["run", "--help"], 0, "--model_args"),
     ],
 )
 def test_script_answers_help_and_bad_input(name, args, rc, expect, tmp_path):
@@ -73,6 +76,10 @@ def test_script_answers_help_and_bad_input(name, args, rc, expect, tmp_path):
     assert r.returncode == rc, r.stderr
     if rc == 0:
         assert expect in r.stdout
+    elif "Could not find" in expect:  # Hydra's refusal, whole: the options it lists follow
+        err = r.stderr.strip().splitlines()
+        group = expect.split("'")[3].split("/")[0]
+        assert err[0].startswith(expect) and f"Available options in '{group}':" in err, r.stderr
     else:
         err = r.stderr.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(expect), r.stderr

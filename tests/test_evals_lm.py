@@ -109,5 +109,5 @@ def test_rejects_models_the_harness_did_not_prepare():
     model, tok = build()
     with pytest.raises(ValueError, match="LatentAttention"):
         QuantMLALM(model, tok)
-    with pytest.raises(TypeError, match="quantmla.run"):
+    with pytest.raises(ValueError, match="neither a model config"):
         QuantMLALM("deepseek-ai/DeepSeek-V2-Lite", tok)

@@ -109,7 +109,11 @@ def test_suite_a_quick_runs_offline_end_to_end(tmp_path):
     assert a["cs"] == pytest.approx(sum(m["scores"][t] for t in offline[:5]) / 5)
     run_dir = next((tmp_path / "suite").iterdir())
     assert json.loads((run_dir / "metrics.json").read_text())["scores"] == m["scores"]
-    assert not list(run_dir.glob("lm_eval_responses*"))  # resume state is dropped once done
+    assert (run_dir / "lm_eval_responses.sqlite").exists()  # the responses stay with the run until removed
+    for t in offline:  # lm-eval's own results file of each task, beside metrics.json
+        (results,) = m["outputs"][t]
+        lm = json.loads((run_dir / results).read_text())
+        assert t in lm["results"] and lm["configs"] and lm["versions"] and lm["n-samples"], t
 
 
 @pytest.mark.slow

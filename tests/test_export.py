@@ -238,7 +238,6 @@ def _cli(*args, cwd):
     "args,expect",
     [
         (["method=quarot", "bits=c4r4"], "cannot be exported as a plain checkpoint: QuaRot† rotates q_pe and k_pe"),
-        (["model=nope"], "unknown model 'nope'; choose one of: "),
         (["bits.name=c5r4"], "content bits 5 is not supported"),
         (["bits=c4r4,c2r4"], "an export writes one model"),
         (["-m", "bits=c4r4"], "unknown option '-m'"),
@@ -262,6 +261,16 @@ def test_bad_input_one_line_before_loading(args, expect, tmp_path, monkeypatch, 
     assert len(err) == 1 and err[0].startswith("error: ") and expect in err[0], err
     assert not (tmp_path / "runs").exists(), "nothing may be written"
     assert (tmp_path / "taken" / "notes.txt").read_text() == "mine"
+
+
+def test_an_unknown_group_option_is_refused_with_hydras_text(tmp_path, monkeypatch, capsys):
+    from quantmla.export import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["model=nope", f"runs_dir={tmp_path / 'runs'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0] == "error: In 'run': Could not find 'model/nope'" and "Available options in 'model':" in err, err
+    assert "\ttiny" in err and not (tmp_path / "runs").exists()
 
 
 def test_cli_refuses_in_one_line_and_prints_help(tmp_path):

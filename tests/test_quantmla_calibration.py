@@ -15,7 +15,7 @@ from quantmla import methods, mla
 from quantmla.data import CalibrationData, DataUnavailable
 from quantmla.methods.quantmla import QuantMLAConfig
 from quantmla.optim import Schedule, batch_indices
-from quantmla.run import ConfigError, _config_sweep, conf_dir, run, validate_argv
+from quantmla.run import ConfigError, conf_dir, jobs_of, run, validate_argv
 
 
 def test_defaults_are_the_papers_recipe():
@@ -167,8 +167,8 @@ def test_reduced_budget_calibration_through_the_harness(tmp_path):
 @pytest.mark.slow
 def test_table3_ablation_sweep_composes_the_papers_rows():
     validate_argv(["-m", "experiment=table3_ablation", "model=tiny", "logger=none"])  # every row is valid
+    jobs = jobs_of(["experiment=table3_ablation", "model=tiny"])
     with initialize_config_dir(str(conf_dir()), version_base="1.3"):
-        jobs = _config_sweep(["experiment=table3_ablation", "model=tiny"])
         rows = []
         for job in jobs:
             c = compose("run", overrides=job)

@@ -97,21 +97,16 @@ def _llama_folder(tmp_path):
 @pytest.mark.parametrize(
     "args,expect",
     [
-        (["model=nope"], "unknown model 'nope'; choose one of: "),
-        (["method=nope"], "unknown method 'nope'; choose one of: "),
-        (["bits=c9r9"], "unknown bits 'c9r9'; choose one of: "),
-        (["eval=nope"], "unknown eval 'nope'; choose one of: "),
         (["bits.name=c4"], "is not of the form CxRy"),
         (["bits.name=c5r4"], "content bits 5 is not supported"),
         (["bits.group=48"], "group size 48 does not divide the content latent width 128"),
         (["model=deepseek_v2_lite"], "is not available offline"),
         (["-m", "bits.name=c4r4,c6r4"], "content bits 6 is not supported"),
-        (["bits=c3r8"], "(any other CxRy: bits.name=c3r8)"),
+        (["-m", "bits=glob(c*r4)", "bits.group=48"], "group size 48 does not divide"),
         (["eval.seq_len=5000", "eval.max_tokens=5000"], "ppl seq_len 5000 exceeds the model's context (4096"),
         pytest.param(
             ["device=cuda"], "device=cuda: CUDA is not available", marks=pytest.mark.skipif(_cuda(), reason="has CUDA")
         ),
-        (["-m", "hydra/launcher=nosuch"], "unknown hydra/launcher 'nosuch'; choose one of: basic, joblib, slurm"),
     ],
 )
 def test_bad_input_one_line_before_loading(args, expect, tmp_path):
@@ -119,7 +114,77 @@ def test_bad_input_one_line_before_loading(args, expect, tmp_path):
     assert r.returncode == 2, r.stderr
     err = r.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and expect in err[0], r.stderr
-    assert not any(tmp_path.rglob("status")), "no run may start"
+    assert not any(tmp_path.iterdir()), "nothing may start, no folder be made"
+
+
+@pytest.mark.parametrize(
+    "args,lines",
+    [
+        (["model=nope"], ["In 'run': Could not find 'model/nope'", "Available options in 'model':", "\ttiny"]),
+        (["bits=c3r8"], ["In 'run': Could not find 'bits/c3r8'", "\tc16r16", "\tc2r4", "\tc4r4"]),
+        (
+            ["-m", "hydra/launcher=nosuch"],
+            ["In 'hydra/config': Could not find 'hydra/launcher/nosuch'", "\tjoblib", "\tslurm"],
+        ),
+        (
+            ["hydra.launcher.partition=gpu"],
+            [
+                "Could not override 'hydra.launcher.partition'.",
+                "To append to your config use +hydra.launcher.partition=gpu",
+                "Key 'partition' not in 'BasicLauncherConf'",
+            ],
+        ),
+    ],
+)
+def test_what_hydra_refuses_is_reported_by_hydra_whole(args, lines, tmp_path):
+    r = _cli(*args, f"runs_dir={tmp_path}", "logger=none", cwd=tmp_path)
+    assert r.returncode == 1, r.stderr
+    err = r.stderr.splitlines()
+    for line in lines:
+        assert line in err, r.stderr
+    assert "Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace." in err
+    assert not any(tmp_path.iterdir())
+
+
+def test_hydra_flags_work(tmp_path):
+    """Every standard Hydra flag reaches Hydra: help, the composed config, shell completion."""
+    r = _cli("--help", cwd=tmp_path)
+    assert r.returncode == 0 and "== Configuration groups ==" in r.stdout and "model: " in r.stdout, r.stderr
+    r = _cli("--cfg", "job", "bits=c4r4", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    job = yaml.safe_load(r.stdout)
+    assert job["model"]["name"] == "tiny" and job["bits"]["name"] == "c4r4" and "hydra" not in job
+    r = _cli("--cfg", "hydra", cwd=tmp_path)
+    assert r.returncode == 0 and "quantmla.run.CheckConfig" in r.stdout, r.stderr
+    r = _cli("-sc", "install=bash", cwd=tmp_path)
+    assert r.returncode == 0 and "hydra_bash_completion()" in r.stdout, r.stderr
+    r = _cli("--info", "defaults", cwd=tmp_path)
+    assert r.returncode == 0 and "model/tiny" in r.stdout, r.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_completion_query_lists_group_options(tmp_path):
+    """What the installed completion asks when the user presses tab after ``quantmla-run bits=``."""
+    env = {"COMP_LINE": "quantmla-run bits=", "COMP_POINT": str(len("quantmla-run bits="))}
+    r = subprocess.run(
+        [sys.executable, "-m", "quantmla.run", "-sc", "query=bash"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=os.environ | env,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    assert {"bits=c16r16", "bits=c2r4", "bits=c4r4"} <= set(r.stdout.split())
+
+
+def test_glob_sweep_runs_every_matching_option(tmp_path):
+    args = ["-m", "bits=glob([c4*,c2*])", "eval.seq_len=128", "eval.max_tokens=256", f"runs_dir={tmp_path}"]
+    r = _cli(*args, "logger=none", "sweep=glob", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    bits = sorted(yaml.safe_load(p.read_text())["bits"]["name"] for p in (tmp_path / "glob").glob("*/config.yaml"))
+    assert bits == ["c2r4", "c4r4"]
+    assert all(s.read_text().strip() == "done" for s in (tmp_path / "glob").glob("*/status"))
 
 
 @pytest.mark.slow

@@ -12,6 +12,10 @@ from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
 
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 @dataclass
 class EvalContext:
     model_name: str = ""
@@ -33,6 +37,14 @@ class Eval:
 
     def run(self, model, tokenizer, ctx: EvalContext) -> dict:
         raise NotImplementedError
+
+    def summary(self, metrics: dict) -> dict:
+        """The headline numbers of ``metrics``, for the line that reports a finished run: its top-level
+        numbers, else the numbers one level down (``key/sub``)."""
+        top = {k: v for k, v in metrics.items() if _number(v)}
+        if top:
+            return top
+        return {f"{k}/{s}": x for k, v in metrics.items() if isinstance(v, dict) for s, x in v.items() if _number(x)}
 
     def to_dict(self) -> dict:
         return {"name": self.name} | asdict(self)

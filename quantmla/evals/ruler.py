@@ -217,10 +217,11 @@ def samples(name: str, tokenizer, length: int, count: int, seed: int = 42, gen_t
 def dataset(*, name: str, tokenizer, lengths, count: int, seed: int, gen_tokens: int, **_):
     """lm-eval ``custom_dataset``: the test split of ``name`` over all lengths."""
     import datasets
-    from tqdm.auto import tqdm
+
+    from quantmla.progress import bar
 
     docs = []
-    for n in tqdm(lengths, desc=f"{name} samples", unit="length"):
+    for n in bar(lengths, desc=f"{name} samples", unit="length"):
         docs += samples(name, tokenizer, n, count, seed, gen_tokens)
     return {"test": datasets.Dataset.from_list(docs)}
 

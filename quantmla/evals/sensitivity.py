@@ -20,12 +20,12 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
-from tqdm.auto import tqdm
 
 from quantmla import data, placement
 from quantmla.attention import capture_inputs
 from quantmla.cache import CacheSpec
 from quantmla.evals import Eval, EvalContext
+from quantmla.progress import bar as progress_bar
 from quantmla.quant import check_bits
 from quantmla.sensitivity import (
     PATHS,
@@ -145,7 +145,7 @@ class Sensitivity(Eval):
         iv_gen = torch.Generator().manual_seed(self.probe_seed + 1)
         records, points = [], []
         saved = [layer.spec for layer in layers]
-        bar = tqdm(total=len(cells) * len(chosen), desc="sensitivity", unit="layer", disable=not ctx.progress)
+        bar = progress_bar(total=len(cells) * len(chosen), desc="sensitivity", unit="layer", enabled=ctx.progress)
         try:
             for layer in layers:  # capture the exact model: the layer input is the unperturbed hidden state
                 layer.spec = CacheSpec(group=layer.spec.group)

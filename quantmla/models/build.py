@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -21,6 +22,9 @@ from pathlib import Path
 import torch
 
 from quantmla.models import smollm2_mla as S
+from quantmla.progress import bar
+
+log = logging.getLogger("quantmla")
 
 MODELS = ("smollm2-mla",)
 
@@ -47,8 +51,9 @@ def fingerprint(path: Path) -> str:
 
 
 @torch.no_grad()
-def assemble(src, stored: dict[str, torch.Tensor]):
-    """The healed MLA model: ``src`` (the Llama model) converted with the stored mixing, then patched."""
+def assemble(src, stored: dict[str, torch.Tensor], progress=None):
+    """The healed MLA model: ``src`` (the Llama model) converted with the stored mixing, then patched
+    (``progress``: a bar advanced once for the conversion and once per layer patched)."""
     L = src.config.num_hidden_layers
     A = torch.stack([stored[f"layers.{i}.mixing"] for i in range(L)])
     has_bias = "layers.0.kv_a_proj_with_mqa.bias" in stored
@@ -56,6 +61,8 @@ def assemble(src, stored: dict[str, torch.Tensor]):
     bias = torch.ones(L) if has_bias else None
     d_c = stored["layers.0.kv_a_layernorm.weight"].shape[0]  # the stored header's width, as EmbeddedModel reads it
     model = S.convert(src, A, gamma, bias, d_c=d_c)
+    if progress is not None:
+        progress.update(1)
     for i, layer in enumerate(model.model.layers):
         a, p = layer.self_attn, f"layers.{i}."
         a.kv_a_proj_with_mqa.weight.copy_(stored[p + "kv_a_proj_with_mqa.weight"].float())
@@ -66,6 +73,8 @@ def assemble(src, stored: dict[str, torch.Tensor]):
         for name in ("q_proj", "o_proj"):
             lin = getattr(a, name)
             lin.weight.add_(stored[p + name + ".B"].float() @ stored[p + name + ".A"].float())
+        if progress is not None:
+            progress.update(1)
     return model.eval()
 
 
@@ -95,12 +104,18 @@ def _build(name: str, stored_path: Path, out: Path, source) -> Path:
     if out.exists() and any(out.iterdir()) and not (out / "BUILD.json").exists():
         raise FileExistsError(f"{out} exists and is not a model build folder; choose another --out")
     t0 = time.time()
-    src, tok = source or S.load_source()
-    model = assemble(src, load_file(stored_path))
-    tmp = out.with_name(out.name + ".partial")
-    tmp.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
+    layers = S.source_config().num_hidden_layers
+    log.info("building %s into %s (first use only: converted from %s, then healed)", name, out, S.GGUF_FILE)
+    # steps: read the GGUF, convert, patch each layer, write the folder
+    with bar(total=layers + 3, desc=f"build {name}", unit="step") as progress:
+        src, tok = source or S.load_source()
+        progress.update(1)
+        model = assemble(src, load_file(stored_path), progress)
+        tmp = out.with_name(out.name + ".partial")
+        tmp.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        progress.update(1)
     with safe_open(str(stored_path), "pt") as f:
         heal = json.loads(f.metadata().get("heal", "{}"))
     info = {
@@ -124,6 +139,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="target folder (default: the quantmla cache)")
     ap.add_argument("--force", action="store_true", help="rebuild even if the folder is complete")
     args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     print(build(args.name, Path(args.out) if args.out else None, args.force))
 
 
