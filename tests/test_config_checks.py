@@ -167,11 +167,11 @@ def test_one_computation_one_run_id():
     a = _plan("bits.name=C4R4").run_record().id
     assert a == _plan("bits.name=c4r4").run_record().id == _plan("bits=c4r4").run_record().id
     assert _plan("bits.name=C4R4").record["bits"]["name"] == "c4r4"
-    q = _plan("method=quantmla", "method.warmup=0").record
+    q = _plan("method=quantmla", "bits=c4r4", "method.warmup=0").record
     assert q["method"]["warmup"] == 0.0 and isinstance(q["method"]["warmup"], float)
     assert (
-        _plan("method=quantmla", "method.warmup=0").run_record().id
-        == _plan("method=quantmla", "method.warmup=0.0").run_record().id
+        _plan("method=quantmla", "bits=c4r4", "method.warmup=0").run_record().id
+        == _plan("method=quantmla", "bits=c4r4", "method.warmup=0.0").run_record().id
     )
     assert _plan("seed=1").run_record().id != _plan("seed=0").run_record().id
 
@@ -188,7 +188,7 @@ def test_shipped_configs_keep_their_run_ids():
         [],
         ["method=quantmla", "bits=c2r4"],
         ["eval=suite_a_quick"],
-        ["protect.recent=16", "exact=true"],
+        ["bits=c4r4", "protect.recent=16", "exact=true"],  # (at C16R16 both are normalised away)
     ):
         with initialize_config_dir(str(conf_dir()), version_base="1.3"):
             cfg = compose("run", overrides=[*BASE, *overrides])
