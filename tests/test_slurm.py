@@ -171,11 +171,13 @@ def test_timed_out_job_is_requeued_and_resumes_from_its_caches(slurm, tmp_path):
     log = "\n".join(p.read_text() for p in root.glob(f".hydra/*/.submitit/{job}/*_log.err"))
     assert "Caught signal SIGUSR2" in log and "this job is timed-out" in log, log[-3000:]
     assert f"JOB {job} ON" in log and "DUE TO JOB REQUEUE" in log, log[-3000:]
-    # lm-eval's own progress bars: the second attempt asked the model only what the first had not answered
-    asked = [int(n) for n in re.findall(r"Running loglikelihood requests:\s+\d+%\|[^|]*\|\s*\d+/(\d+)", log)]
+    # the progress lines of each attempt's lm-eval requests (not a terminal: quantmla.progress lines, not
+    # lm-eval's bars): the second attempt asked the model only what the first had not answered
+    out = "\n".join(p.read_text() for p in root.glob(f".hydra/*/.submitit/{job}/*_log.out"))
+    asked = [int(n) for n in re.findall(r"lm-eval loglikelihood: started \((\d+) request", log + out)]
     assert len(set(asked)) >= 2 and min(asked) < max(asked), asked
     metrics = json.loads((record / "metrics.json").read_text())
     # the second attempt calibrated nothing: both paths' transforms are the first attempt's
     assert metrics["method"]["cached_C"] == 1 and metrics["method"]["cached_P"] == 1, metrics["method"]
     assert metrics["n_samples"]["arc_easy"]["effective"] == 24
-    assert not (record / "lm_eval_responses.sqlite").exists()  # kept only while the run is unfinished
+    assert (record / "lm_eval_responses.sqlite").exists()  # the responses stay in the run's folder until removed
