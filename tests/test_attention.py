@@ -143,15 +143,22 @@ def _boolean_index(args) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index)
 
 
-def _teacher_forced_reads(layers: int) -> list[str]:
+def _padded_batch(layers: int):
+    """A C4R4 tiny model of ``layers`` layers and two requests of 30 tokens, the first left-padded by 5
+    (the mask is a real tensor, not None): model, ids, mask, positions."""
     model, tok = build(family_config(layers=layers))
     install(model, CacheSpec.parse("c4r4", sink=4, recent=8))
     ids = torch.randint(3, 259, (2, 30))
     ids[0, :5] = tok.pad_token_id
     mask = torch.ones_like(ids)
     mask[0, :5] = 0
+    return model, ids, mask, (mask.cumsum(-1) - 1).clamp_min(0)
+
+
+def _teacher_forced_reads(layers: int) -> list[str]:
+    model, ids, mask, pos = _padded_batch(layers)
     with torch.no_grad(), HostReads() as reads:
-        model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0))
+        model(ids, attention_mask=mask, position_ids=pos)
     return reads.sites
 
 
@@ -164,13 +171,7 @@ def test_a_teacher_forced_pass_reads_the_device_once_whatever_the_depth():
 
 
 def _decode_step_reads(layers: int) -> list[str]:
-    model, tok = build(family_config(layers=layers))
-    install(model, CacheSpec.parse("c4r4", sink=4, recent=8))
-    ids = torch.randint(3, 259, (2, 30))
-    ids[0, :5] = tok.pad_token_id
-    mask = torch.ones_like(ids)
-    mask[0, :5] = 0  # a left-padded request: the mask is a real tensor, not None
-    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    model, ids, mask, pos = _padded_batch(layers)
     cache = new_cache(model, 2, 40)
     with torch.no_grad():
         model(ids[:, :20], attention_mask=mask[:, :20], position_ids=pos[:, :20], past_key_values=cache)
