@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -49,7 +50,7 @@ def test_multirun_of_the_baselines_records_six_runs_and_prints_the_table(tmp_pat
             assert 0 < r["metrics"]["method"]["alpha_C"] <= 1
         if r["config"]["method"]["name"] == "quarot":
             assert r["metrics"]["method"]["online_rope_flops_per_token"] == 2 * (2 * 64 * 64 * (4 + 1))
-    table = [line for line in p.stdout.splitlines() if line.startswith("| tiny |")]
+    table = [line for line in p.stdout.splitlines() if re.match(r"\|\s*tiny\s*\|", line)]  # pandas pads cells
     assert len(table) == 6
     assert [line.split("|")[2].strip() for line in table] == ["rtn", "smoothquant", "quarot"] * 2
     assert (tmp_path / "baselines" / "table.md").exists()

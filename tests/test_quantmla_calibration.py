@@ -176,7 +176,7 @@ def test_table3_ablation_sweep_composes_the_papers_rows():
             rows.append((c.method.name, c.bits.name, bool(c.protect.enabled), None if paths is None else dict(paths)))
     both = {"content": True, "rope": True}
     assert rows == [
-        ("rtn", "c16r16", False, None),
+        ("rtn", "c16r16", True, None),  # one BF16 run whatever the protection (run.unquantized_reference)
         ("rtn", "c4r4", False, None),
         ("smoothquant", "c4r4", False, None),
         ("quarot", "c4r4", False, None),
