@@ -47,6 +47,7 @@ def _loglikelihoods(samples: Path) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_lm_eval_cli_runs_quantmla_and_agrees_with_the_harness(tmp_path, caplog):
     model_args = ",".join(f"{k}={v}" for k, v in CONFIG.items()) + f",runs_dir={tmp_path / 'transforms'}"
     r = _cli(

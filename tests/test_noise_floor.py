@@ -19,6 +19,7 @@ def _cli(*args, cwd):
     return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=900)
 
 
+@pytest.mark.slow
 def test_noise_floor_sweep_on_the_tiny_model(tmp_path):
     r = _cli(
         "quantmla.run", "-m", "experiment=noise_floor", "model=tiny", "+row=rtn", "logger=none",
