@@ -1,4 +1,4 @@
-"""``python -m analysis table|paper|sensitivity <runs-dir> [--out DIR]``: print and write result tables
+"""``python -m analysis table|paper|sensitivity|claims <runs-dir> [--out DIR]``: print and write result tables
 (and figures) from recorded runs (``table|paper --wandb ENTITY/PROJECT``: from a W&B project's runs); ``python -m analysis latency <table9 JSON> ...``: Table 9 from
 ``bench/table9.py`` records."""
 
@@ -15,6 +15,7 @@ WRITERS = {  # subcommand -> (module with write(source, out) -> (markdown, what 
     "paper": ("analysis.paper", lambda files: files),
     "sensitivity": ("analysis.sensitivity", lambda files: files),
     "latency": ("analysis.latency", lambda files: files),
+    "claims": ("analysis.claims", lambda files: files),
 }
 
 
@@ -40,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     pp.add_argument(
         "--out", type=Path, default=None, help="folder for the tables and figures (default: runs_dir/paper)"
     )
+    cl = sub.add_parser("claims", help="each claim of the paper checked on the runs: holds, does not hold, ...")
+    cl.add_argument("runs_dir", type=Path)
+    cl.add_argument("--out", type=Path, default=None, help="folder for claims.md/.csv (default: runs_dir/paper)")
     la = sub.add_parser("latency", help="Table 9 and a Figure 5b-style plot from bench/table9.py records")
     la.add_argument("records", type=Path, nargs="+", help="table9-<date>.json files written by bench/table9.py")
     la.add_argument("--out", type=Path, default=None, help="folder for table9.md/.csv/.png (default: runs/latency)")
