@@ -140,6 +140,14 @@ def unquantized_reference(container: dict, top: dict) -> tuple[dict, dict]:
     return container | {"method": method} | {k: top[k] for k in ("exact", "protect")}, top
 
 
+def model_context(name: str) -> int:
+    """The context length (max_position_embeddings) of ``conf/model/<name>.yaml``, from its config
+    alone: no weights are read (``scripts/reproduce`` sizes RULER's lengths with it)."""
+    node = OmegaConf.to_container(OmegaConf.load(conf_dir() / "model" / f"{name}.yaml"))
+    node.pop("defaults", None)
+    return int(getattr(make(node, "model").hf_config(), "max_position_embeddings", 0) or 0)
+
+
 def plan(cfg: DictConfig) -> Plan:
     """Build and validate everything a run needs, loading no model."""
     from quantmla import methods, noise, schema
