@@ -143,7 +143,11 @@ def unquantized_reference(container: dict, top: dict) -> tuple[dict, dict]:
 def model_context(name: str) -> int:
     """The context length (max_position_embeddings) of ``conf/model/<name>.yaml``, from its config
     alone: no weights are read (``scripts/reproduce`` sizes RULER's lengths with it)."""
-    node = OmegaConf.to_container(OmegaConf.load(conf_dir() / "model" / f"{name}.yaml"))
+    path = conf_dir() / "model" / f"{name}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in path.parent.glob("*.yaml")))
+        raise ValueError(f"no model '{name}' in conf/model/ (one of: {known})")
+    node = OmegaConf.to_container(OmegaConf.load(path))
     node.pop("defaults", None)
     return int(getattr(make(node, "model").hf_config(), "max_position_embeddings", 0) or 0)
 
