@@ -186,3 +186,35 @@ def test_exact_prefill_kernel_matches_the_exact_reference(cb, rb, H, d_c, kv, ql
     assert rel(o, o_ref) < 3e-5 and rel(lse, lse_ref) < 1e-5 and same_inf(lse, lse_ref)
     o_paper, _ = kernels.prefill(*args, "triton")
     assert rel(o_paper, o_ref) > 10 * rel(o, o_ref)
+
+
+def _compiled(kernel) -> int:
+    """Compiled variants of a Triton kernel on every device (its JIT cache)."""
+    return sum(len(c[0]) for c in kernel.device_caches.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", ["c16r16", "c4r4"])
+def test_one_compilation_serves_every_batch_shape(bits):
+    """An evaluation's batches differ in length and query rows; each shape must not compile the
+    teacher-forced kernels again (each compile takes seconds on the H200)."""
+    from quantmla.kernels import triton_prefill, triton_write
+
+    spec = CacheSpec.parse(bits)
+    kernels_used = (triton_prefill._prefill_kernel, triton_prefill._dequant_kernel, triton_write._write_kernel)
+
+    def attend(B, L):
+        gen = torch.Generator().manual_seed(L)
+        C = torch.randn(B, L, 384, generator=gen).to(DEVICE, torch.bfloat16)
+        K = torch.randn(B, L, 64, generator=gen).to(DEVICE, torch.bfloat16)
+        q = torch.randn(B, 9, L, 384, generator=gen).to(DEVICE, torch.bfloat16)
+        qp = torch.randn(B, 9, L, 64, generator=gen).to(DEVICE, torch.bfloat16)
+        kernels.attend(q, qp, C, K, None, spec, 0.1, "triton")
+
+    attend(32, 100)
+    torch.cuda.synchronize()
+    before = [_compiled(k) for k in kernels_used]
+    for B, L in ((32, 64), (7, 1), (32, 129), (3, 250), (16, 200), (32, 96)):
+        attend(B, L)
+    torch.cuda.synchronize()
+    assert [_compiled(k) for k in kernels_used] == before

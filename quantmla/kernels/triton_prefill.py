@@ -130,7 +130,7 @@ def _tile(q, qpe, m_i, l_i, acc, k0, b, kv_len, tq, live, qk_scale, given, store
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "stride_bt"])  # query rows and pages per sequence vary per batch: one compile
 def _prefill_kernel(
     Q,
     QPE,
@@ -266,7 +266,7 @@ def _prefill_kernel(
     tl.store(LSE + (b * H + h) * N + i, lse, mask=in_out)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _dequant_kernel(
     BT, stride_bt, KVLEN, CRows, CCodes, CScale, CZero, ps_crows, ps_ccodes, ps_cscale, ps_czero,
     RRows, RCodes, RScale, RZero, ps_rrows, ps_rcodes, ps_rscale, ps_rzero,

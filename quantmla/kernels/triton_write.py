@@ -14,7 +14,7 @@ import triton.language as tl
 from quantmla.kernels._tiles import INTERPRET, layer_constexprs, quantize_store, region_args, tl_dtype
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "stride_bt"])  # token count and pages per sequence vary per call
 def _write_kernel(
     C,
     KP,
