@@ -154,7 +154,12 @@ def _mean_value(values: list[M.Value]) -> M.Value:
         return have[0]
     ses = [v.se for v in have]
     se = None if any(s is None for s in ses) else sum(ses) / len(ses)
-    return M.Value(sum(v.value for v in have) / len(have), se, None, have[0].log, have[0].higher_better, have[0].digits)
+    items = None  # repeats scored on the same items keep them, averaged item by item, for paired differences
+    if all(v.items for v in have) and len({len(v.items) for v in have}) == 1:
+        items = tuple(sum(xs) / len(xs) for xs in zip(*(v.items for v in have)))
+    return M.Value(
+        sum(v.value for v in have) / len(have), se, items, have[0].log, have[0].higher_better, have[0].digits
+    )
 
 
 def _configuration(runs: list[dict]) -> tuple[dict[str, M.Value], dict[str, float | None]]:

@@ -180,6 +180,23 @@ def test_a_difference_is_resolved_only_above_the_noise_floor_and_its_error(tmp_p
     assert "Noise floor of tiny C4R4: measured on rtn C4R4 protected (3 runs)." in md
 
 
+def test_repeated_runs_keep_their_windows_for_paired_differences(tmp_path):
+    """RTN run twice unperturbed (none 0 and none 1, slightly different NLLs): its row is the mean of the
+    two, and its difference from another method is still paired, over the window means of the repeats."""
+    rng = np.random.default_rng(1)
+    a0 = list(2.3 + 0.2 * rng.standard_normal(16))
+    a1 = list(np.array(a0) + 1e-4 * rng.standard_normal(16))
+    b = list(np.array(a0) + 0.01 + 0.002 * rng.standard_normal(16))
+    for nll, seed in ((a0, 0), (a1, 1)):
+        _record(tmp_path, _ppl_metrics(nll), noise={"perturb": "none", "seed": seed})
+    _record(tmp_path, _ppl_metrics(b), method__name="quarot", method___target_="x.quarot")
+    write(tmp_path / "s", tmp_path / "o")
+    (c,) = pd.read_csv(tmp_path / "o" / "comparisons.csv").to_dict("records")
+    mean = list((np.array(a0) + np.array(a1)) / 2)
+    assert c["se_delta"] == pytest.approx(_paired_se(mean, b), rel=1e-6)
+    assert c["se_delta"] < 0.01  # unpaired it would be about the ppl's own SE (~0.5)
+
+
 def test_combined_standard_error_without_shared_items():
     """lm-eval rows keep no per-item scores: SE(Δ) = √(SE_A² + SE_B²); unknown SE or floor resolves nothing."""
     a, b = Value(60.0, 0.3), Value(59.0, 0.4)
