@@ -3,6 +3,7 @@
 import math
 
 import pytest
+from test_analysis_paper import _mmlu_record as _mmlu
 
 from analysis import claims
 from analysis import paper_numbers as P
@@ -85,19 +86,6 @@ def test_no_floor_is_not_measurable_and_missing_runs_are_not_run(tmp_path):
     assert "no floor" in found[("order-c4r4", "deepseek_v2_lite")].ours
     rest = [c for c in claims.check(tmp_path) if c.name in ("rope-sensitivity", "table3-steps", "ruler-long")]
     assert [c.verdict for c in rest] == ["not run"] * 3
-
-
-def _mmlu(root, bits, method, protect, acc, paths=None, noise=None, se=0.2):
-    cfg = {
-        "model": {"name": "deepseek_v2_lite"},
-        "method": {"_target_": f"x.{method}", "name": method} | ({"paths": paths} if paths else {}),
-        "bits": {"name": bits},
-        "protect": {"enabled": protect},
-        "eval": {"name": "lm_eval", "tasks": [{"task": "mmlu", "num_fewshot": 5}], "suite": None},
-    } | ({"noise": noise} if noise else {})
-    rec = RunRecord(root, "t3", cfg)
-    rec.start()
-    rec.finish({"results": {"mmlu": {"acc,none": acc / 100, "acc_stderr,none": se / 100}}})
 
 
 @pytest.mark.parametrize("se,verdict", [(0.2, "holds"), (1.0, "not measurable")])

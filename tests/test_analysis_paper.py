@@ -145,7 +145,8 @@ def test_latency_table_and_figure_from_the_committed_table9_records(tmp_path):
     assert main(["latency", str(results / "decode-20261203-132456.json"), "--out", str(tmp_path)]) == 2
 
 
-def _mmlu_record(root, bits, method, protect, acc, paths=None, noise=None):
+def _mmlu_record(root, bits, method, protect, acc, paths=None, noise=None, se=1.0):
+    """A Table 3 row's record: MMLU ``acc`` (%) with standard error ``se`` (points)."""
     cfg = {
         "model": {"name": "deepseek_v2_lite"},
         "method": {"_target_": f"x.{method}", "name": method} | ({"paths": paths} if paths else {}),
@@ -155,7 +156,7 @@ def _mmlu_record(root, bits, method, protect, acc, paths=None, noise=None):
     } | ({"noise": noise} if noise else {})
     rec = RunRecord(root, "t3", cfg)
     rec.start()
-    rec.finish({"results": {"mmlu": {"acc,none": acc / 100, "acc_stderr,none": 0.01}}})
+    rec.finish({"results": {"mmlu": {"acc,none": acc / 100, "acc_stderr,none": se / 100}}})
 
 
 def test_table3_steps_are_resolved_by_the_noise_floor_and_their_errors(tmp_path):
