@@ -35,7 +35,6 @@ import pandas as pd
 from analysis import metrics as M
 from analysis import noise as N
 from analysis import paper as PT
-from analysis import paper_numbers as P
 from analysis import render
 from analysis.metrics import Value
 from analysis.sensitivity import PAPER_TABLE4, sensitivity_runs
@@ -55,10 +54,6 @@ class Claim:
     ours: str = ""
     verdict: str = "not run"
     note: str = ""
-
-
-def _fmt(x: float | None, d: int = 2, sign: bool = False) -> str:
-    return "n/a" if x is None else f"{x:+.{d}f}" if sign else f"{x:.{d}f}"
 
 
 def _ci(c: N.Comparison) -> str:
@@ -141,11 +136,6 @@ def _tasks(cols: tuple[str, ...]) -> str:
 
 def _models(rows: dict) -> list[str]:
     return list(dict.fromkeys(k[0] for k in rows))
-
-
-def _paper_avg(model: str, bits: str, method: str | None) -> float | None:
-    ref = P.TABLE1.get((model, bits, method))
-    return None if ref is None else ref[P.SUITE_A_COLUMNS.index("avg")]
 
 
 PAPER_NEAR = "DeepSeek-V2-Lite Avg. 66.54 vs BF16 66.80 (Δ −0.26); Moonlight 73.44 vs 73.57 (Δ −0.13)"

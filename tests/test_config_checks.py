@@ -10,6 +10,7 @@ import os
 import pytest
 from hydra import compose, initialize_config_dir
 from safetensors.torch import save_file
+from test_run import HYDRA_REFUSALS
 
 from quantmla.run import ConfigError, conf_dir, plan, validate_argv
 
@@ -61,19 +62,7 @@ def test_refused_before_loading_with_one_line(overrides, expect):
 @pytest.mark.parametrize(
     "overrides,lines",
     [
-        (["model=nope"], ["In 'run': Could not find 'model/nope'", "Available options in 'model':", "\ttiny"]),
-        (
-            ["-m", "hydra/launcher=nosuch"],
-            ["In 'hydra/config': Could not find 'hydra/launcher/nosuch'", "\tjoblib", "\tslurm"],
-        ),
-        (
-            ["hydra.launcher.partition=gpu"],
-            [
-                "Could not override 'hydra.launcher.partition'.",
-                "To append to your config use +hydra.launcher.partition=gpu",
-                "Key 'partition' not in 'BasicLauncherConf'",
-            ],
-        ),
+        *HYDRA_REFUSALS,
         (
             ["-m", "bits=glob(c*"],
             [

@@ -117,24 +117,26 @@ def test_bad_input_one_line_before_loading(args, expect, tmp_path):
     assert not any(tmp_path.iterdir()), "nothing may start, no folder be made"
 
 
+HYDRA_REFUSALS = [  # (overrides, lines of Hydra's own error text the user must see whole)
+    (["model=nope"], ["In 'run': Could not find 'model/nope'", "Available options in 'model':", "\ttiny"]),
+    (
+        ["-m", "hydra/launcher=nosuch"],
+        ["In 'hydra/config': Could not find 'hydra/launcher/nosuch'", "\tjoblib", "\tslurm"],
+    ),
+    (
+        ["hydra.launcher.partition=gpu"],
+        [
+            "Could not override 'hydra.launcher.partition'.",
+            "To append to your config use +hydra.launcher.partition=gpu",
+            "Key 'partition' not in 'BasicLauncherConf'",
+        ],
+    ),
+]
+
+
 @pytest.mark.parametrize(
     "args,lines",
-    [
-        (["model=nope"], ["In 'run': Could not find 'model/nope'", "Available options in 'model':", "\ttiny"]),
-        (["bits=c3r8"], ["In 'run': Could not find 'bits/c3r8'", "\tc16r16", "\tc2r4", "\tc4r4"]),
-        (
-            ["-m", "hydra/launcher=nosuch"],
-            ["In 'hydra/config': Could not find 'hydra/launcher/nosuch'", "\tjoblib", "\tslurm"],
-        ),
-        (
-            ["hydra.launcher.partition=gpu"],
-            [
-                "Could not override 'hydra.launcher.partition'.",
-                "To append to your config use +hydra.launcher.partition=gpu",
-                "Key 'partition' not in 'BasicLauncherConf'",
-            ],
-        ),
-    ],
+    [*HYDRA_REFUSALS, (["bits=c3r8"], ["In 'run': Could not find 'bits/c3r8'", "\tc16r16", "\tc2r4", "\tc4r4"])],
 )
 def test_what_hydra_refuses_is_reported_by_hydra_whole(args, lines, tmp_path):
     r = _cli(*args, f"runs_dir={tmp_path}", "logger=none", cwd=tmp_path)
