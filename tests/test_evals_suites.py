@@ -129,6 +129,17 @@ def test_hub_data_offline_is_reported_unavailable_by_name():
     assert "hellaswag" in m["averages"]["missing"] and "Rowan/hellaswag" in m["averages"]["why_missing"]["hellaswag"]
 
 
+def test_mirrored_tasks_are_checked_without_lm_evals_whole_index():
+    from quantmla.evals import tasks
+
+    mirrors.folder()  # built once per cache (its build reads the whole index)
+    tasks.task_manager.cache_clear()
+    LMEval(tasks=["hellaswag", "mmlu", {"task": "gsm8k", "num_fewshot": 5}]).check()
+    assert tasks.task_manager.cache_info().currsize == 0  # 10-20 s saved before every sweep
+    with pytest.raises(ValueError, match="unknown lm-eval task 'hellaswagg'"):
+        LMEval(tasks=["hellaswag", "hellaswagg"]).check()  # any other name still meets the whole index
+
+
 def test_unknown_task_stops_before_any_model_with_lm_eval_pointer():
     with pytest.raises(qrun.ConfigError) as e:
         qrun.validate_argv(["model=tiny", "eval=lm_eval", "eval.tasks=[hellaswagg]", "logger=none"])

@@ -43,7 +43,7 @@ def test_every_experiment_has_a_smoke_profile_for_every_job(tmp_path):
         validate_argv(["-m", f"experiment={name}", "profile=smoke", "model=tiny", f"runs_dir={tmp_path}"])
 
 
-@pytest.mark.slow  # one to four minutes each on two shared CPU cores
+@pytest.mark.slow  # 14-38 s each on two idle CPU cores (2026-12-04)
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_experiment_runs_end_to_end_under_the_smoke_profile(name, tmp_path):
     r = _sweep(f"experiment={name}", "profile=smoke", f"runs_dir={tmp_path}", *NARROW.get(name, []), cwd=tmp_path)
