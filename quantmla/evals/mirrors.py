@@ -228,9 +228,9 @@ def offline(name: str) -> bool:
     return all(p.installed() for p in packages_for(hubs))
 
 
-def _task_yaml(entry, m: Mirror, data_dir: Path) -> tuple[dict, dict]:
-    """Override YAML for one lm-eval task and the split substitutions it makes."""
-    have = m.splits()
+def _task_yaml(entry, m: Mirror, have: set[str], data_dir: Path) -> tuple[dict, dict]:
+    """Override YAML for one lm-eval task (of mirror ``m``, whose splits are ``have``) and the split
+    substitutions it makes."""
     over: dict = {"include": str(entry.yaml_path), "dataset_path": str(data_dir)}
     if entry.cfg.get("dataset_name") is None:
         over["dataset_name"] = "default"
@@ -269,14 +269,16 @@ def _build(root: Path) -> None:
                 "note": m.note,
             }
         (tmp / "tasks").mkdir()
-        mirrored = set()
+        mirrored, splits = set(), {}
         for name, e in index.items():
             if e.kind.name != "TASK" or not e.yaml_path or not e.cfg:
                 continue
             hub = e.cfg.get("dataset_path")
             if hub not in manifest["datasets"]:
                 continue
-            over, changes = _task_yaml(e, MIRRORS[hub], root / "data" / _slug(hub))
+            if hub not in splits:  # scanned once per dataset, not per task (MMLU has 57 subjects)
+                splits[hub] = MIRRORS[hub].splits()
+            over, changes = _task_yaml(e, MIRRORS[hub], splits[hub], root / "data" / _slug(hub))
             (tmp / "tasks" / f"{name}.yaml").write_text(yaml.safe_dump(over, sort_keys=False) + LOADER)
             manifest["tasks"][name] = {
                 "dataset": hub,
