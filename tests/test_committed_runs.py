@@ -14,7 +14,7 @@ import pytest
 
 RUNS = Path(__file__).resolve().parents[1] / "runs"
 RECORD = ("config.yaml", "metrics.json", "env.json", "status")
-TEXT = (".md", ".csv", ".tex")  # figures are checked for presence only (their bytes vary by backend)
+TEXT = (".md", ".csv", ".tex")
 SWEEPS = sorted(p.parent for p in RUNS.glob("*/*/table.csv"))
 
 

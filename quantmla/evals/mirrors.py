@@ -282,7 +282,7 @@ def _build(root: Path) -> None:
             (tmp / "tasks" / f"{name}.yaml").write_text(yaml.safe_dump(over, sort_keys=False) + LOADER)
             manifest["tasks"][name] = {
                 "dataset": hub,
-                "dataset_name": over.get("dataset_name", e.cfg.get("dataset_name")),
+                "dataset_name": over["dataset_kwargs"]["config"],
             }
             manifest["tasks"][name]["splits_substituted"] = changes
             mirrored.add(name)
