@@ -12,7 +12,7 @@ from pathlib import Path
 
 WRITERS = {  # subcommand -> (module with write(source, out) -> (markdown, what it wrote), the files that is)
     "table": ("analysis.table", lambda files: files),
-    "paper": ("analysis.paper", lambda files: files),
+    "paper": ("analysis.reproduction", lambda files: files),
     "sensitivity": ("analysis.sensitivity", lambda files: files),
     "latency": ("analysis.latency", lambda files: files),
     "claims": ("analysis.claims", lambda files: files),
@@ -36,7 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("sensitivity", help="Table 4/5 and Figure 2 style plots of eval=sensitivity runs")
     s.add_argument("runs_dir", type=Path)
     s.add_argument("--out", type=Path, default=None, help="folder for the tables and figures (default: runs_dir)")
-    pp = sub.add_parser("paper", help="Tables 1, 2 and RULER in the paper's layout, with its numbers beside")
+    pp = sub.add_parser(
+        "paper", help="Tables 1-4 and RULER in the paper's layout with its numbers beside, and its claims checked"
+    )
     pp.add_argument("runs_dir", type=Path, nargs="?")
     pp.add_argument(
         "--out", type=Path, default=None, help="folder for the tables and figures (default: runs_dir/paper)"

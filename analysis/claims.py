@@ -233,6 +233,14 @@ def c2r4_lead(rows: dict) -> list[Claim]:
 # --- Table 3, RULER, sensitivity, cache size ---------------------------------------------------
 
 
+MMLU_CHANCE = 25.0  # four answer choices
+
+
+def _at_chance(value: float | None, se: float | None) -> bool:
+    """A score (%) within two standard errors of MMLU's chance level."""
+    return value is not None and se is not None and abs(value - MMLU_CHANCE) <= 2 * se
+
+
 def ablation(runs: list[dict]) -> list[Claim]:
     got = PT.table3(runs)
     paper = "MMLU 51.90 → 53.12 → 56.31 → 57.95 (+1.22, +3.19, +1.64; DeepSeek-V2-Lite)"
@@ -241,6 +249,14 @@ def ablation(runs: list[dict]) -> list[Claim]:
     data = got[2]
     out = []
     for model, d in data.groupby("model", sort=False):
+        bf16 = d[d["configuration"] == "BF16"]
+        if len(bf16) and _at_chance(bf16["mmlu"].iloc[0], bf16["mmlu_se"].iloc[0]):
+            v, se = bf16["mmlu"].iloc[0], bf16["mmlu_se"].iloc[0]
+            c = Claim("table3-steps", f"Each Table 3 step adds accuracy ({model})", paper, verdict="not measurable")
+            c.ours = f"BF16 MMLU {v:.2f} ± {se:.2f}, at chance ({MMLU_CHANCE:.0f} %)"
+            c.note = "the unquantized model scores at chance, so no quantized step can add measurable accuracy"
+            out.append(c)
+            continue
         d = d[d["configuration"].isin(PT.STEPS[1:])]
         variants = list(dict.fromkeys(d["variant"]))
         chosen = "" if "" in variants else variants[0] if len(variants) == 1 else None

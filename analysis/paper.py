@@ -281,10 +281,11 @@ def figure(rs: list[Row], cols: tuple[str, ...], title: str, stem: Path) -> list
     return render.save(fig, stem, ncol=2)
 
 
-def write(root: str | Path, out: str | Path | None = None) -> tuple[str, list[Path]]:
+def write(root: str | Path, out: str | Path | None = None, required: bool = True) -> tuple[str, list[Path]]:
     """Every table the runs under ``root`` can fill, into ``out`` (default ``<root>/paper``):
     ``<table>.md/.csv/.tex`` and ``<table>.png/.pdf``, ``paper_tables.md`` (all of them),
-    ``comparisons.csv`` and ``details.csv``."""
+    ``comparisons.csv`` and ``details.csv``. No table to fill is an error, or (``required`` false)
+    nothing written."""
     scan = scan_runs(root)
     out = Path(out) if out else Path(root) / "paper"
     out.mkdir(parents=True, exist_ok=True)
@@ -301,6 +302,8 @@ def write(root: str | Path, out: str | Path | None = None) -> tuple[str, list[Pa
         parts.append((out / f"{name}.md").read_text().rstrip("\n"))
         every += rs
     if not parts:
+        if not required:
+            return "", []
         raise ValueError(f"no finished suite_a, suite_b, MMLU or ruler runs under {root}")
     files += render.csv(comparisons(_unique(every)), out / "comparisons.csv")
     files += render.csv(details(_unique(every)), out / "details.csv")

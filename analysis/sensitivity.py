@@ -2,9 +2,10 @@
 
 ``python -m analysis sensitivity <runs-dir> [--out DIR]`` writes
 
-- ``sensitivity.md``: Table 4 (model-level responses, the paper's numbers beside where the
-  model is one of the paper's), Table 5 (predictive check of the local model) and, for runs
-  with ``eval.interventions``, Table 6 (equal-energy interventions);
+- ``sensitivity.md`` and ``sensitivity.tex``: Table 4 (model-level responses, the paper's numbers
+  beside where the model is one of the paper's), Table 5 (predictive check of the local model) and,
+  for runs with ``eval.interventions``, Table 6 (equal-energy interventions); each table also as
+  ``sensitivity_table{4,5,6}.csv``;
 - ``sensitivity_layers.csv``: R_C, R_P (mean, min and max over cells) and r_ℓ per layer;
 - ``sensitivity_local.csv``: every local point (T, A, O, G per path);
 - ``sensitivity_responses.png``: Figure 2 style: R_C and R_P against the layer with the
@@ -12,7 +13,8 @@
   (median diamond, IQR whisker, dashed line at 1);
 - ``sensitivity_atlas.png``: Figure 6 style: heat maps of the content and RoPE output NMSE
   at the matched cache NMSE and of their ratio, one row per model, one column per layer;
-- ``sensitivity_breakdown_<model>.png``: the T/A/O breakdown per layer and the predictive checks.
+- ``sensitivity_breakdown_<model>.png``: the T/A/O breakdown per layer and the predictive checks;
+- every figure also as PDF.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator, NullFormatter
 
+from analysis import render
 from quantmla.tracking import read_runs
 
 PAPER_TABLE4 = {
@@ -113,13 +116,13 @@ def local_table(runs: list[dict]) -> pd.DataFrame:
                 "model": r["label"],
                 "points": loc["points"],
                 "Spearman": loc["spearman"],
-                "median |log err|": loc["median_abs_log_error"],
+                "median abs log err": loc["median_abs_log_error"],
                 "MAE cache only": loc["mae_cache_only"],
                 "MAE trace only": loc["mae_trace_only"],
                 "MAE operator+allocation": loc["mae_operator_allocation"],
                 "JVP vs finite Spearman": loc["jvp_finite_spearman"],
                 "paper Spearman": paper[0],
-                "paper median |log err|": paper[1],
+                "paper median abs log err": paper[1],
             }
         )
     return pd.DataFrame(rows)
@@ -161,19 +164,30 @@ def local_frame(runs: list[dict]) -> pd.DataFrame:
     return pd.DataFrame([{"model": r["label"]} | p for r in runs for p in r["metrics"].get("local_points", [])])
 
 
-def _md(df: pd.DataFrame, digits: int = 3) -> str:
+def _text(df: pd.DataFrame, digits: int = 3) -> pd.DataFrame:
+    """The cells as text: floats to ``digits`` places, missing ones as a dash."""
+
     def cell(v):
         if isinstance(v, (float, np.floating)):
             return "–" if pd.isna(v) else f"{v:.{digits}f}"
         return str(v)
 
-    cols = list(df.columns)
-    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
-    return "\n".join(lines)
+    return df.map(cell)
 
 
-def figure_responses(runs: list[dict], path: Path) -> Path:
+def _md(df: pd.DataFrame, digits: int = 3) -> str:
+    return render.markdown(_text(df, digits))
+
+
+def _save(fig: Figure, path: Path) -> list[Path]:
+    """``path`` (PNG) and the same figure as PDF beside it (no creation date, so it is reproducible)."""
+    fig.savefig(path, dpi=130)
+    pdf = path.with_suffix(".pdf")
+    fig.savefig(pdf, metadata={"CreationDate": None})
+    return [path, pdf]
+
+
+def figure_responses(runs: list[dict], path: Path) -> list[Path]:
     """Figure 2 style: per-layer responses with envelopes (left), r_ℓ distributions (right)."""
     n = len(runs)
     fig = Figure(figsize=(11, 2.9 * n + 0.6), layout="constrained")
@@ -215,8 +229,7 @@ def figure_responses(runs: list[dict], path: Path) -> Path:
     right.set_ylabel(r"layer ratio $r_\ell = \bar R_P / \bar R_C$")
     right.set_title("per-layer ratio\n(◆ median, bar IQR)", fontsize=10)
     right.grid(alpha=0.3, axis="y", which="both")
-    fig.savefig(path, dpi=130)
-    return path
+    return _save(fig, path)
 
 
 def atlas(runs: list[dict]) -> dict[str, np.ndarray]:
@@ -232,7 +245,7 @@ def atlas(runs: list[dict]) -> dict[str, np.ndarray]:
     return maps
 
 
-def figure_atlas(runs: list[dict], path: Path) -> Path:
+def figure_atlas(runs: list[dict], path: Path) -> list[Path]:
     """Figure 6 style: heat maps of NMSE_out (content, RoPE) and their ratio over every model and layer."""
     maps = atlas(runs)
     n, width = maps["C"].shape
@@ -262,11 +275,10 @@ def figure_atlas(runs: list[dict], path: Path) -> Path:
             cb.set_ticks(ticks, labels=[f"{t:g}" for t in ticks])
     axs[-1].set_xlabel("layer")
     axs[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
-    fig.savefig(path, dpi=130)
-    return path
+    return _save(fig, path)
 
 
-def figure_breakdown(run: dict, path: Path) -> Path:
+def figure_breakdown(run: dict, path: Path) -> list[Path]:
     """The local model per layer (means over points): T, A, O/G, G vs T·A; and the predictive checks."""
     pts = pd.DataFrame(run["metrics"]["local_points"])
     by = pts.groupby("layer").mean(numeric_only=True)
@@ -330,8 +342,7 @@ def figure_breakdown(run: dict, path: Path) -> Path:
     axs[1, 1].yaxis.set_minor_formatter(NullFormatter())
     for a in list(axs[0]) + [axs[1, 0]]:
         a.xaxis.set_major_locator(MaxNLocator(integer=True))
-    fig.savefig(path, dpi=130)
-    return path
+    return _save(fig, path)
 
 
 def _slug(label: str) -> str:
@@ -346,27 +357,31 @@ def write(root: str | Path, out: str | Path | None = None) -> tuple[str, list[Pa
     out = Path(out or root)
     out.mkdir(parents=True, exist_ok=True)
     files = []
-    md = "## Model-level responses at matched cache NMSE (Table 4)\n\n" + _md(model_table(runs))
-    loc = local_table(runs)
-    if len(loc):
-        md += "\n\n## Local model G = T·A + O: predictive check (Table 5)\n\n" + _md(loc)
-    iv = intervention_table(runs)
-    if len(iv):
-        md += "\n\n## Equal-energy error interventions: geometric-mean gain ratio, new / original (Table 6)\n\n" + _md(
-            iv
+    tables = [("Model-level responses at matched cache NMSE (Table 4)", "sensitivity_table4", model_table(runs))]
+    tables.append(("Local model G = T·A + O: predictive check (Table 5)", "sensitivity_table5", local_table(runs)))
+    tables.append(
+        (
+            "Equal-energy error interventions: geometric-mean gain ratio, new / original (Table 6)",
+            "sensitivity_table6",
+            intervention_table(runs),
         )
-    (out / "sensitivity.md").write_text(md + "\n")
-    layer_frame(runs).to_csv(out / "sensitivity_layers.csv", index=False)
-    files += [out / "sensitivity.md", out / "sensitivity_layers.csv"]
+    )
+    tables = [t for t in tables if len(t[2])]
+    md = "\n\n".join(f"## {title}\n\n{_md(df)}" for title, _, df in tables)
+    tex = "\n".join(render.latex(_text(df), caption=title) for title, _, df in tables)
+    files += render.write_text(out / "sensitivity.md", md)
+    files += render.write_text(out / "sensitivity.tex", tex)
+    for _, stem, df in tables:
+        files += render.csv(df, out / f"{stem}.csv")
+    files += render.csv(layer_frame(runs), out / "sensitivity_layers.csv")
     lf = local_frame(runs)
     if len(lf):
-        lf.to_csv(out / "sensitivity_local.csv", index=False)
-        files.append(out / "sensitivity_local.csv")
-    files.append(figure_responses(runs, out / "sensitivity_responses.png"))
-    files.append(figure_atlas(runs, out / "sensitivity_atlas.png"))
+        files += render.csv(lf, out / "sensitivity_local.csv")
+    files += figure_responses(runs, out / "sensitivity_responses.png")
+    files += figure_atlas(runs, out / "sensitivity_atlas.png")
     for r in runs:
         if r["metrics"].get("local_points"):
-            files.append(figure_breakdown(r, out / f"sensitivity_breakdown_{_slug(r['label'])}.png"))
+            files += figure_breakdown(r, out / f"sensitivity_breakdown_{_slug(r['label'])}.png")
     return md, files
 
 

@@ -1,8 +1,8 @@
 """The committed run records under runs/ regenerate the committed tables beside them.
 
 A reviewer with a clone and no model or GPU reruns ``python -m analysis table runs/<model>/<sweep>``
-and gets the same files. The records are copied first, so nothing rendered before can leak into
-the comparison.
+and ``python -m analysis paper runs/<model>`` and gets the same files. The records are copied first,
+so nothing rendered before can leak into the comparison.
 """
 
 import shutil
@@ -16,6 +16,7 @@ RUNS = Path(__file__).resolve().parents[1] / "runs"
 RECORD = ("config.yaml", "metrics.json", "env.json", "status")
 TEXT = (".md", ".csv", ".tex")
 SWEEPS = sorted(p.parent for p in RUNS.glob("*/*/table.csv"))
+PAPERS = sorted(p.parent for p in RUNS.glob("*/paper/claims.md"))
 
 
 def _records_only(src: Path, dst: Path) -> Path:
@@ -49,3 +50,23 @@ def test_sweep_tables_regenerate_from_the_committed_records(sweep, tmp_path):
     assert {p.name for p in committed} >= {"table.md", "table.csv"}
     for p in committed:
         assert (tmp_path / "out" / p.name).read_text() == p.read_text(), p.name
+
+
+def test_runs_holds_a_rendered_reproduction():
+    assert PAPERS, "no rendered reproduction (runs/<model>/paper/) under runs/"
+
+
+@pytest.mark.parametrize("paper", PAPERS, ids=lambda p: p.parent.name)
+def test_paper_tables_figures_and_claims_regenerate_from_the_committed_records(paper, tmp_path):
+    """Every table (markdown, CSV, LaTeX) byte for byte, every figure (PNG and PDF) again, the claims."""
+    root = _records_only(paper.parent, tmp_path / paper.parent.name)
+    _analysis("paper", str(root))
+    committed = {p.name: p for p in paper.iterdir() if p.is_file()}
+    made = {p.name: p for p in (root / "paper").iterdir() if p.is_file()}
+    assert set(made) == set(committed)
+    assert {"claims.md", "claims.csv"} <= set(committed) and any(n.endswith(".pdf") for n in committed)
+    for name, p in committed.items():
+        if p.suffix in TEXT:
+            assert made[name].read_text() == p.read_text(), name
+        else:
+            assert made[name].stat().st_size > 1000, name

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerates tests/data/runs/: real runs of the tiny model (CPU, ~30 min on two idle cores) whose records the analysis
 # tests render and compare with tests/data/rendered/. Run from the repository root; then
-#   python -m analysis paper tests/data/runs --out tests/data/rendered/paper
+#   python -m analysis paper tests/data/runs --out tests/data/rendered/paper && rm tests/data/rendered/paper/*.p[nd][gf]
 #   python -m analysis table tests/data/runs/ppl --out tests/data/rendered/table
 # keep their .md, .csv and .tex files (figures are not compared) and review the diff.
 set -euo pipefail
