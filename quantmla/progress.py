@@ -86,8 +86,8 @@ class LogBar:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, kind, error, tb):
+        self.close(error)
         return False
 
     def set_description(self, desc: str, refresh: bool = True) -> None:
@@ -120,9 +120,14 @@ class LogBar:
             parts.append(self.postfix)
         return f"{self.desc or 'progress'}: " + ", ".join(parts)
 
-    def close(self) -> None:
+    def close(self, error: BaseException | None = None) -> None:
+        """The closing line: ``done`` with the count, or (the step raised ``error``) where it stopped."""
         if self.closed:
             return
         self.closed = True
-        elapsed = time.monotonic() - self.start
-        _emit(f"{self.desc or 'progress'}: done, {self.n} {self.unit} in {_clock(elapsed)}")
+        elapsed = _clock(time.monotonic() - self.start)
+        if error is None:
+            _emit(f"{self.desc or 'progress'}: done, {self.n} {self.unit} in {elapsed}")
+        else:
+            count = f"{self.n}/{self.total}" if self.total else str(self.n)
+            _emit(f"{self.desc or 'progress'}: stopped at {count} {self.unit} after {elapsed} ({type(error).__name__})")

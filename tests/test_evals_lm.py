@@ -111,3 +111,38 @@ def test_rejects_models_the_harness_did_not_prepare():
         QuantMLALM(model, tok)
     with pytest.raises(ValueError, match="neither a model config"):
         QuantMLALM("deepseek-ai/DeepSeek-V2-Lite", tok)
+
+
+def test_progress_counts_requests_answered_also_when_they_share_a_forward_pass(caplog, monkeypatch):
+    """Four answer letters after one shared context are one forward row in lm-eval (its logits cache)
+    but four requests: the log lines count requests, so the count ends at the total and the ETA holds."""
+    from quantmla import progress
+
+    monkeypatch.setenv("QUANTMLA_PROGRESS_EVERY", "0")
+    monkeypatch.setattr(progress, "interactive", lambda: False)
+    model, tok = build()
+    attention.install(model, CacheSpec.parse("c4r4"))
+    lm = QuantMLALM(model, tok, batch_size=2)
+    shared = [(REQUESTS[0][0], f" {x}") for x in "ABCD"] + [(REQUESTS[2][0], f" {x}") for x in "ABCD"]
+    reqs = [Instance("loglikelihood", {}, r, i) for i, r in enumerate(shared + REQUESTS[1:2])]
+    rows = []
+    lm._model_call = lambda inps, *a, _call=lm._model_call, **k: rows.append(inps.shape[0]) or _call(inps, *a, **k)
+    with caplog.at_level("INFO", logger="quantmla"):
+        lm.loglikelihood(reqs)
+    assert sum(rows) == 3  # three distinct contexts, one row each
+    counts = [m for m in caplog.messages if m.startswith("lm-eval loglikelihood: ") and "/9 request" in m]
+    assert counts and counts[-1].startswith("lm-eval loglikelihood: 9/9 request (100%)")
+    assert caplog.messages[-1].startswith("lm-eval loglikelihood: done, 9 request in ")
+    assert lm.cache_hook.__class__.__name__ != "_Counted"  # the run's own hook is back
+
+
+def test_an_interrupted_step_says_where_it_stopped(caplog):
+    from quantmla import progress
+
+    with caplog.at_level("INFO", logger="quantmla"), pytest.raises(KeyboardInterrupt):
+        with progress.LogBar(total=10, desc="lm-eval loglikelihood", unit="request", every=3600) as bar:
+            bar.update(3)
+            raise KeyboardInterrupt
+    assert caplog.messages[-1].startswith(
+        "lm-eval loglikelihood: stopped at 3/10 request after 00:00 (KeyboardInterrupt)"
+    )

@@ -116,12 +116,22 @@ def prepared(pretrained: str, args: dict, device: str | None = None):
     return model, tokenizer, rest
 
 
+class _Counted:
+    """lm-eval's cache hook, passed through, with one step of a progress bar per request answered
+    (lm-eval hands every answer to the hook, also those of requests that share one forward pass)."""
+
+    def __init__(self, hook, bar):
+        self.hook, self.bar = hook, bar
+
+    def add_partial(self, kind: str, args, value) -> None:
+        self.hook.add_partial(kind, args, value)
+        self.bar.update(1)
+
+
 class Progress:
     """Mixin for an lm-eval model class: where stderr is not a terminal, lm-eval's bars (which would
-    fill a log with carriage returns) give way to periodic lines with an ETA (:mod:`quantmla.progress`);
-    on a terminal lm-eval's own bars show."""
-
-    _bar = None
+    fill a log with carriage returns) give way to periodic lines with an ETA (:mod:`quantmla.progress`),
+    counting requests answered; on a terminal lm-eval's own bars show."""
 
     def _with_progress(self, kind: str, requests, compute, *args, **kwargs):
         from quantmla import progress
@@ -129,22 +139,13 @@ class Progress:
         if progress.interactive() or not requests:
             return compute(requests, *args, **kwargs)
         kwargs["disable_tqdm"] = True
-        with progress.bar(total=len(requests), desc=f"lm-eval {kind}", unit="request") as self._bar:
+        hook = self.cache_hook
+        with progress.bar(total=len(requests), desc=f"lm-eval {kind}", unit="request") as bar:
+            self.cache_hook = _Counted(hook, bar)
             try:
                 return compute(requests, *args, **kwargs)
             finally:
-                self._bar = None
-
-    def _detect_batch_size(self, *args, **kwargs):
-        bar, self._bar = self._bar, None  # the trial forwards of batch_size=auto answer no request
-        try:
-            return super()._detect_batch_size(*args, **kwargs)
-        finally:
-            self._bar = bar
-
-    def _advance(self, n: int) -> None:
-        if self._bar is not None:
-            self._bar.update(n)
+                self.cache_hook = hook
 
     def loglikelihood(self, requests, *args, **kwargs):
         return self._with_progress("loglikelihood", requests, super().loglikelihood, *args, **kwargs)
@@ -158,16 +159,6 @@ class Progress:
 
 class CachedHFLM(ResponseCache, Progress, HFLM):
     """lm-eval's ``HFLM`` with the run's response cache (:mod:`quantmla.evals.responses`) and progress."""
-
-    def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
-        out = super()._model_call(inps, attn_mask, labels)
-        self._advance(inps.shape[0])
-        return out
-
-    def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs):
-        out = super()._model_generate(context, max_length, stop, **generation_kwargs)
-        self._advance(context.shape[0])
-        return out
 
 
 @register_model("quantmla")
@@ -199,15 +190,12 @@ class QuantMLALM(ResponseCache, Progress, HFLM):
         # latent of every position and protects per query (decode-faithful rule).
         with torch.no_grad():
             logits = self.model(inps, use_cache=False).logits
-        self._advance(inps.shape[0])
         return logits
 
     def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs):
         cache = attention.new_cache(self.model, batch_size=context.shape[0], max_length=max_length)
         generation_kwargs[attention.cache_keyword()] = cache
-        out = super()._model_generate(context, max_length, stop, **generation_kwargs)
-        self._advance(context.shape[0])
-        return out
+        return super()._model_generate(context, max_length, stop, **generation_kwargs)
 
 
 def language_model(model, tokenizer, batch_size: int | str = 1, max_length: int | None = None, **kwargs) -> HFLM:
