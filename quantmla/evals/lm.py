@@ -159,7 +159,7 @@ class Progress:
 
 class BatchedTokenizer:
     """Mixin for an lm-eval model class: the strings of a log-likelihood call are tokenized up front,
-    each distinct one once and all in one call of the fast tokenizer (its threads), and lm-eval's own
+    each distinct one once and all in one call of the fast tokenizer, and lm-eval's own
     pairing (``_encode_pair``) reads them back through ``tok_encode``. lm-eval tokenizes one request
     at a time and a shared few-shot context once per answer choice: on MMLU 5-shot that is most of a
     run's time outside the model. Strings that start with the BOS text, and every call with explicit
@@ -213,7 +213,8 @@ class BatchedTokenizer:
 
 
 class CachedHFLM(ResponseCache, Progress, BatchedTokenizer, HFLM):
-    """lm-eval's ``HFLM`` with the run's response cache (:mod:`quantmla.evals.responses`) and progress."""
+    """lm-eval's ``HFLM`` with the run's response cache (:mod:`quantmla.evals.responses`), progress and
+    batched tokenization."""
 
 
 @register_model("quantmla")
