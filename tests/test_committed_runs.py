@@ -56,6 +56,7 @@ def test_runs_holds_a_rendered_reproduction():
     assert PAPERS, "no rendered reproduction (runs/<model>/paper/) under runs/"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("paper", PAPERS, ids=lambda p: p.parent.name)
 def test_paper_tables_figures_and_claims_regenerate_from_the_committed_records(paper, tmp_path):
     """Every table (markdown, CSV, LaTeX) byte for byte, every figure (PNG and PDF) again, the claims."""

