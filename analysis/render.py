@@ -84,10 +84,16 @@ def save(fig, stem: Path, legend_from=None, ncol: int = 2) -> list[Path]:
     handles, labels = axes.get_legend_handles_labels()
     if handles:
         fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=ncol, fontsize=8, frameon=False)
+    out = png_and_pdf(fig, stem, dpi=150, bbox_inches="tight")
+    plt.close(fig)
+    return out
+
+
+def png_and_pdf(fig, stem: Path, dpi: int, **kwargs) -> list[Path]:
+    """``fig`` as ``<stem>.png`` and ``<stem>.pdf`` (the PDF without a creation date, so it is reproducible)."""
     out = []
     for ext in ("png", "pdf"):
         path = stem.with_suffix(f".{ext}")
-        fig.savefig(path, dpi=150, bbox_inches="tight", metadata=None if ext == "png" else {"CreationDate": None})
+        fig.savefig(path, dpi=dpi, metadata=None if ext == "png" else {"CreationDate": None}, **kwargs)
         out.append(path)
-    plt.close(fig)
     return out

@@ -179,14 +179,6 @@ def _md(df: pd.DataFrame, digits: int = 3) -> str:
     return render.markdown(_text(df, digits))
 
 
-def _save(fig: Figure, path: Path) -> list[Path]:
-    """``path`` (PNG) and the same figure as PDF beside it (no creation date, so it is reproducible)."""
-    fig.savefig(path, dpi=130)
-    pdf = path.with_suffix(".pdf")
-    fig.savefig(pdf, metadata={"CreationDate": None})
-    return [path, pdf]
-
-
 def figure_responses(runs: list[dict], path: Path) -> list[Path]:
     """Figure 2 style: per-layer responses with envelopes (left), r_ℓ distributions (right)."""
     n = len(runs)
@@ -229,7 +221,7 @@ def figure_responses(runs: list[dict], path: Path) -> list[Path]:
     right.set_ylabel(r"layer ratio $r_\ell = \bar R_P / \bar R_C$")
     right.set_title("per-layer ratio\n(◆ median, bar IQR)", fontsize=10)
     right.grid(alpha=0.3, axis="y", which="both")
-    return _save(fig, path)
+    return render.png_and_pdf(fig, path, dpi=130)
 
 
 def atlas(runs: list[dict]) -> dict[str, np.ndarray]:
@@ -275,7 +267,7 @@ def figure_atlas(runs: list[dict], path: Path) -> list[Path]:
             cb.set_ticks(ticks, labels=[f"{t:g}" for t in ticks])
     axs[-1].set_xlabel("layer")
     axs[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
-    return _save(fig, path)
+    return render.png_and_pdf(fig, path, dpi=130)
 
 
 def figure_breakdown(run: dict, path: Path) -> list[Path]:
@@ -342,7 +334,7 @@ def figure_breakdown(run: dict, path: Path) -> list[Path]:
     axs[1, 1].yaxis.set_minor_formatter(NullFormatter())
     for a in list(axs[0]) + [axs[1, 0]]:
         a.xaxis.set_major_locator(MaxNLocator(integer=True))
-    return _save(fig, path)
+    return render.png_and_pdf(fig, path, dpi=130)
 
 
 def _slug(label: str) -> str:
@@ -357,15 +349,15 @@ def write(root: str | Path, out: str | Path | None = None) -> tuple[str, list[Pa
     out = Path(out or root)
     out.mkdir(parents=True, exist_ok=True)
     files = []
-    tables = [("Model-level responses at matched cache NMSE (Table 4)", "sensitivity_table4", model_table(runs))]
-    tables.append(("Local model G = T·A + O: predictive check (Table 5)", "sensitivity_table5", local_table(runs)))
-    tables.append(
+    tables = [
+        ("Model-level responses at matched cache NMSE (Table 4)", "sensitivity_table4", model_table(runs)),
+        ("Local model G = T·A + O: predictive check (Table 5)", "sensitivity_table5", local_table(runs)),
         (
             "Equal-energy error interventions: geometric-mean gain ratio, new / original (Table 6)",
             "sensitivity_table6",
             intervention_table(runs),
-        )
-    )
+        ),
+    ]
     tables = [t for t in tables if len(t[2])]
     md = "\n\n".join(f"## {title}\n\n{_md(df)}" for title, _, df in tables)
     tex = "\n".join(render.latex(_text(df), caption=title) for title, _, df in tables)
