@@ -83,16 +83,16 @@ def _keys(r: Row) -> dict:
 
 
 def _paper(table: dict, r: Row, cols: tuple[str, ...], order: tuple[str, ...]):
-    """The paper's values of ``cols`` for row ``r`` (its columns are ``order``), or None."""
+    """(model, the paper's values of ``cols``) for row ``r`` (the table's columns are ``order``), or None."""
     ref = P.paper_row(table, r.keys["model"], r.keys["bits"], r.keys["method"], r.keys["protect"])
     if ref is None or r.keys.get("variant"):
         return None
-    return [ref[order.index(c)] if c in order else None for c in cols]
+    return P.paper_model(table, r.keys["model"]), [ref[order.index(c)] if c in order else None for c in cols]
 
 
 def layout(rs: list[Row], cols: tuple[str, ...], paper) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    """(text, bold, numbers) of a paper table: each of our rows, the paper's beneath it, and each
-    block's noise floor."""
+    """(text, bold, numbers) of a paper table: each of our rows, the paper's beneath it (``paper(r)``:
+    the paper's model and values, or None), and each block's noise floor."""
     heads = [NAMES.get(c, c) for c in cols]
     text, bold, data = [], [], []
     for block in blocks(rs).values():
@@ -100,15 +100,16 @@ def layout(rs: list[Row], cols: tuple[str, ...], paper) -> tuple[pd.DataFrame, p
             keys = _keys(r)
             text.append(keys | {h: render.number(r.values[c]) if c in r.values else "n/a" for c, h in zip(cols, heads)})
             bold.append({h: bool(r.best.get(c)) for c, h in zip(cols, heads)})
-            ref = paper(r)
-            row = keys | {"source": "ours"}
+            source, ref = paper(r) or (None, None)
+            row = keys | {"source": "ours", "paper model": source}
             for j, (c, h) in enumerate(zip(cols, heads)):
                 v = r.values.get(c, Value(None))
                 row |= {h: v.value, f"{h} se": v.se, f"{h} noise": r.floor.get(c), f"{h} tied": r.best.get(c)}
                 row[f"{h} paper"] = ref[j] if ref else None
             data.append(row)
             if ref:
-                text.append(dict.fromkeys(KEYS, "") | {"method": "paper"} | {h: _fmt(x) for h, x in zip(heads, ref)})
+                label = "paper" if source == r.keys["model"] else f"paper ({source})"
+                text.append(dict.fromkeys(KEYS, "") | {"method": label} | {h: _fmt(x) for h, x in zip(heads, ref)})
                 bold.append({})
         floors = [block[0].floor.get(c) for c in cols]
         if any(f is not None for f in floors):
@@ -162,8 +163,8 @@ def ruler_table(runs: list[dict]):
 
     def paper(r):
         k = r.keys
-        ours = (k["model"], k["bits"], k["method"], k["protect"]) == ("deepseek_v2_lite", "C4R4", "quantmla", True)
-        return [P.RULER_QUANTMLA.get(t) for t in tasks] if ours and not k.get("variant") else None
+        ours = (k["bits"], k["method"], k["protect"]) == ("C4R4", "quantmla", True)
+        return (P.REFERENCE, [P.RULER_QUANTMLA.get(t) for t in tasks]) if ours and not k.get("variant") else None
 
     text, bold, data = layout(rs, tasks, paper)
     return text, bold, data, rs, tasks
@@ -218,7 +219,9 @@ def table3(runs: list[dict]):
             step = STEPS.index(label) if label in STEPS else None
             before = prev.get(step - 1) if step else None
             c = N.compare(v, before.values["mmlu"], r.floor["mmlu"]) if before is not None else None
-            paper = P.TABLE3.get(label) if r.keys["model"] == "deepseek_v2_lite" and not r.keys.get("variant") else None
+            paper = (
+                P.TABLE3.get(label) if not r.keys.get("variant") else None
+            )  # the paper's Table 3: its reference model
             paper_step = paper - P.TABLE3[STEPS[step - 1]] if paper is not None and step else None
             keys = _keys(r)
             text.append(
@@ -231,7 +234,7 @@ def table3(runs: list[dict]):
                     "MMLU (%)": render.number(v),
                     "step Δ": "" if c is None else f"{c.delta:+.2f}",
                     "resolved": "" if c is None else ("yes" if c.resolved else "no"),
-                    "paper": _fmt(paper) if paper is not None else "",
+                    f"paper ({P.REFERENCE})": _fmt(paper) if paper is not None else "",
                     "paper step Δ": "" if paper_step is None else f"{paper_step:+.2f}",
                 }
             )
@@ -327,7 +330,8 @@ def _notes(name: str, rs: list[Row], scan) -> list[str]:
     if name != "table3":
         lines.insert(
             1,
-            "Each of our rows is followed by the paper's (its protection convention: baselines unprotected, QuantMLA protected).",
+            "Each of our rows is followed by the paper's (its protection convention: baselines unprotected, QuantMLA protected); "
+            f"for a model the paper does not report, by its {P.REFERENCE} row, labelled so.",
         )
     else:
         lines[0] = lines[0].split("it. ", 1)[-1]  # no bold in this table: the steps say what is resolved

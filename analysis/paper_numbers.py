@@ -132,8 +132,20 @@ def context_label(n: int) -> str:
     return f"{n >> 20}M" if n >= 1 << 20 else f"{n >> 10}K"
 
 
+# The model whose numbers stand beside a reproduction on a model the paper does not report (its
+# main model: the only one of Table 3 and Figure 4)
+REFERENCE = "deepseek_v2_lite"
+
+
+def paper_model(table: dict, model: str) -> str:
+    """``model`` where ``table`` reports it, else the paper's reference model."""
+    return model if any(k[0] == model for k in table) else REFERENCE
+
+
 def paper_row(table: dict, model: str, bits: str, method: str, protect: bool):
-    """The paper's numbers for a reproduced row, or None if the paper has no such row."""
+    """The paper's numbers for a reproduced row (the reference model's for a model the paper does not
+    report, :func:`paper_model`), or None if the paper has no such row."""
+    model = paper_model(table, model)
     if bits == "C16R16":
         return table.get((model, bits, None))
     if protect != (method == "quantmla"):

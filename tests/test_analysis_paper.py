@@ -98,6 +98,17 @@ def test_no_runs_is_an_error(tmp_path):
     assert r.returncode == 2 and r.stderr.startswith("error: no finished")
 
 
+def test_a_model_the_paper_does_not_report_gets_the_reference_models_row():
+    """Beside a reproduction on another model stand the paper's DeepSeek-V2-Lite numbers; a model of
+    the paper keeps its own; the paper's protection convention holds for both."""
+    v2 = P.paper_row(P.TABLE1, "smollm2_mla", "C4R4", "rtn", False)
+    assert P.paper_model(P.TABLE1, "smollm2_mla") == "deepseek_v2_lite"
+    assert v2 == P.TABLE1[("deepseek_v2_lite", "C4R4", "rtn")] and v2[1] == 51.90  # the paper's Table 1 MMLU
+    assert P.paper_row(P.TABLE1, "moonlight_16b_a3b", "C2R4", "quantmla", True)[-1] == 72.70
+    assert P.paper_row(P.TABLE1, "smollm2_mla", "C4R4", "rtn", True) is None  # baselines unprotected
+    assert P.paper_row(P.TABLE1, "smollm2_mla", "C16R16", "rtn", False)[-1] == 66.80
+
+
 def test_table9_transcription_agrees_with_its_own_deltas_and_the_papers_summary():
     """Each Δ of Table 9 recomputed from its two latencies (rounded to 0.01 µs in the paper), and the
     paper's summary of the table (App. F.1): between −7.42 % and +4.29 %, within 0.5 % from 64K up."""
