@@ -166,7 +166,7 @@ def test_batched_tokenization_equals_lm_evals_own_on_real_mmlu_requests():
     from transformers import AutoTokenizer
 
     from quantmla.evals import mirrors
-    from quantmla.evals.lm import BatchedTokenizer
+    from quantmla.evals.lm import BatchedTokenizer, encode_batch
     from quantmla.models.smollm2_mla import GGUF_FILE, gguf_dir
 
     tok = AutoTokenizer.from_pretrained(gguf_dir(), gguf_file=GGUF_FILE, local_files_only=True)
@@ -199,3 +199,8 @@ def test_batched_tokenization_equals_lm_evals_own_on_real_mmlu_requests():
     assert own.calls == 2 * (len(pairs) - 1) + 1
     # lm-eval's own path only for the check of the batch, the BOS-prefixed pair and the empty context
     assert batched.calls == 1 + 2 + 1
+    # the batch ran with the tokenizer's threads on, and the harness's setting is back afterwards
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    strings = [s for c, x in pairs for s in (c, c + x)]
+    assert encode_batch(tok, strings) == [tok(s)["input_ids"] for s in strings]
+    assert os.environ.get("TOKENIZERS_PARALLELISM") == before

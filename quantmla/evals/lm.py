@@ -30,6 +30,7 @@ same store ``python -m quantmla.run`` uses.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 from lm_eval.api.registry import register_model
@@ -206,10 +207,30 @@ class BatchedTokenizer:
         if len(strings) < 2:
             return None
         plain = list(strings)
-        ids = self.tokenizer(plain, **_add_special_kwargs(None, self.add_bos_token))["input_ids"]
+        ids = encode_batch(self.tokenizer, plain, **_add_special_kwargs(None, self.add_bos_token))
         if list(ids[0]) != super().tok_encode(plain[0]):
             return None
         return dict(zip(plain, ids, strict=True))
+
+
+def encode_batch(tokenizer, strings: list[str], **kwargs) -> list:
+    """``tokenizer(strings, **kwargs)["input_ids"]`` with the fast tokenizer's own threads on for this
+    call alone. The harness turns them off (``TOKENIZERS_PARALLELISM=false``), which keeps a later
+    fork quiet and safe; the fast tokenizer reads the variable at every call, so it is set for this
+    call and put back. On the 10,340 distinct strings of two MMLU 5-shot subjects with two cores:
+    37.7 s with them off, 21.7 s on."""
+    before = os.environ.get(_THREADS)
+    os.environ[_THREADS] = "true"
+    try:
+        return tokenizer(strings, **kwargs)["input_ids"]
+    finally:
+        if before is None:
+            os.environ.pop(_THREADS, None)
+        else:
+            os.environ[_THREADS] = before
+
+
+_THREADS = "TOKENIZERS_PARALLELISM"
 
 
 class CachedHFLM(ResponseCache, Progress, BatchedTokenizer, HFLM):
