@@ -155,13 +155,17 @@ def _leaves(x, key=""):
         yield key, float(x)
 
 
-def test_four_methods_by_three_formats_as_a_multirun(tmp_path):
+@pytest.mark.parametrize(
+    "launcher", [(), ("hydra/launcher=joblib", "hydra.launcher.n_jobs=4")], ids=["basic", "joblib"]
+)
+def test_four_methods_by_three_formats_as_a_multirun(tmp_path, launcher):
     """The command a user types: a Hydra multirun of the four methods × C16R16, C4R4, C2R4 on the
-    tiny model at the paper's shapes in bfloat16. Every job finishes, and for every method fewer
-    content bits never make perplexity much better (C2R4 ≥ C16R16, the one BF16 run)."""
+    tiny model at the paper's shapes in bfloat16, one job after another and four at once on the one
+    GPU. Every job finishes, and for every method fewer content bits never make perplexity much
+    better (C2R4 ≥ C16R16, the one BF16 run)."""
     cmd = [sys.executable, "-m", "quantmla.run", "-m", "model=tiny", *PAPER, "model.dtype=bfloat16",
            "calibration=quick", "logger=none", "device=cuda", f"runs_dir={tmp_path}", *PPL,
-           "method=rtn,smoothquant,quarot,quantmla", "bits=c16r16,c4r4,c2r4"]  # fmt: skip
+           "method=rtn,smoothquant,quarot,quantmla", "bits=c16r16,c4r4,c2r4", *launcher]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, env=os.environ | {"PYTHONUNBUFFERED": "1"})
     assert r.returncode == 0, r.stderr[-4000:]
     ppl = {}

@@ -20,6 +20,9 @@ def test_unknown_step_and_argument_are_refused(tmp_path):
     assert r.returncode == 2 and "no step 'table9'" in r.stderr
     r = _run("--fast", tmp=tmp_path)
     assert r.returncode == 2 and "unknown argument --fast" in r.stderr
+    for jobs in ("0", "two", "-1"):
+        r = _run("--jobs", jobs, tmp=tmp_path)
+        assert r.returncode == 2 and f"--jobs takes a positive number of runs at once, not '{jobs}'" in r.stderr
     assert not any(tmp_path.iterdir())
 
 

@@ -293,6 +293,23 @@ def test_main_sweep_records_skips_and_prints_table(tmp_path):
     assert (again.stdout + again.stderr).count("skip ") == 3
 
 
+@pytest.mark.slow
+def test_parallel_jobs_share_one_bf16_run(tmp_path):
+    """A sweep through Hydra's joblib launcher (``scripts/reproduce --jobs``): two methods × C16R16,
+    C4R4 as two processes at once. The two C16R16 jobs are one run (same id) written once, the one
+    waiting for the other; every record is done and the sweep's table follows."""
+    args = ["-m", "method=rtn,quarot", "bits=c16r16,c4r4", "eval.seq_len=256", "eval.max_tokens=1024",
+            f"runs_dir={tmp_path}", "sweep=jobs", "logger=none", "hydra/launcher=joblib",
+            "hydra.launcher.n_jobs=2"]  # fmt: skip
+    r = _cli(*args, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    status = sorted((tmp_path / "jobs").glob("*/status"))
+    assert len(status) == 3 and all(s.read_text().strip() == "done" for s in status)
+    log = r.stdout + r.stderr
+    assert log.count("] - run ") == 3 and log.count("skip ") == 1, log[-3000:]
+    assert "| C16R16 |" in (tmp_path / "jobs" / "table.md").read_text()
+
+
 def test_analysis_cli(tmp_path):
     rec = RunRecord(tmp_path, "s", {"model": {"name": "m"}, "method": {"name": "rtn"}, "bits": {"name": "c4r4"}})
     rec.start()
