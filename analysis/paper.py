@@ -219,9 +219,7 @@ def table3(runs: list[dict]):
             step = STEPS.index(label) if label in STEPS else None
             before = prev.get(step - 1) if step else None
             c = N.compare(v, before.values["mmlu"], r.floor["mmlu"]) if before is not None else None
-            paper = (
-                P.TABLE3.get(label) if not r.keys.get("variant") else None
-            )  # the paper's Table 3: its reference model
+            paper = None if r.keys.get("variant") else P.TABLE3.get(label)  # Table 3 has P.REFERENCE only
             paper_step = paper - P.TABLE3[STEPS[step - 1]] if paper is not None and step else None
             keys = _keys(r)
             text.append(

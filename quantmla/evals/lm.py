@@ -213,6 +213,9 @@ class BatchedTokenizer:
         return dict(zip(plain, ids, strict=True))
 
 
+_THREADS = "TOKENIZERS_PARALLELISM"
+
+
 def encode_batch(tokenizer, strings: list[str], **kwargs) -> list:
     """``tokenizer(strings, **kwargs)["input_ids"]`` with the fast tokenizer's own threads on for this
     call alone. The harness turns them off (``TOKENIZERS_PARALLELISM=false``), which keeps a later
@@ -228,9 +231,6 @@ def encode_batch(tokenizer, strings: list[str], **kwargs) -> list:
             os.environ.pop(_THREADS, None)
         else:
             os.environ[_THREADS] = before
-
-
-_THREADS = "TOKENIZERS_PARALLELISM"
 
 
 class CachedHFLM(ResponseCache, Progress, BatchedTokenizer, HFLM):
