@@ -229,7 +229,10 @@ def test_the_planted_checkpoint_runs_code_under_plain_unpickling(tmp_path):
 
 def test_sigterm_and_sigint_save_the_training_checkpoint(work):
     runs = work / "signals"
-    long = ["bits=c4r4", "method.steps=400", "method.val_every=1000"]  # checkpoints: step 0, then on signals only
+    # More steps than any machine runs before the signal, and no validation checkpoint among them:
+    # checkpoints at step 0, then on signals only (at 400 steps a fast machine finished the resumed run).
+    total = 100_000
+    long = ["bits=c4r4", f"method.steps={total}", f"method.val_every={total}"]
     steps = []
     for signum, log in ((signal.SIGTERM, "term.log"), (signal.SIGINT, "int.log")):
         launch = _launch(work, runs, long, log)
@@ -248,7 +251,7 @@ def test_sigterm_and_sigint_save_the_training_checkpoint(work):
         steps.append(torch.load(ckpt, weights_only=True)["step"])
         (status,) = runs.rglob("status")
         assert status.read_text().strip() == "interrupted"
-    assert 0 < steps[0] < steps[1] < 400, steps  # each signal saved the step it reached
+    assert 0 < steps[0] < steps[1] < total, steps  # each signal saved the step it reached
 
 
 def test_a_multirun_with_failures_lists_them_all_and_tables_the_rest(work, tmp_path):
