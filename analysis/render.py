@@ -11,6 +11,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from quantmla.files import write_atomic  # noqa: E402
@@ -54,7 +55,9 @@ def latex(text: pd.DataFrame, bold: pd.DataFrame | None = None, caption: str | N
     styler = text.style.hide(axis="index").format(escape="latex").format_index(escape="latex", axis=1)
     if bold is not None:
         css = bold.reindex(columns=text.columns).fillna(False).astype(bool)
-        styler = styler.apply(lambda _: css.replace({True: "font-weight: bold;", False: ""}), axis=None)
+        # a frame of strings built directly: DataFrame.replace on booleans raises in pandas 3.0.x
+        weights = pd.DataFrame(np.where(css.to_numpy(), "font-weight: bold;", ""), index=css.index, columns=css.columns)
+        styler = styler.apply(lambda _: weights, axis=None)
     caption = caption and caption.replace("_", r"\_")  # captions are the tables' own titles
     return styler.to_latex(hrules=True, caption=caption, position="t", convert_css=True, environment="table")
 
