@@ -141,28 +141,42 @@ def test_concurrent_identical_sweeps_compute_each_run_once(reference):
     assert len(list((reference.runs / "main" / ".hydra").iterdir())) == 2  # a Hydra folder per launch
 
 
+def _launched(launch: Launch) -> float:
+    """Wait until ``launch`` has composed its jobs (Hydra's "Launching" line) or ended; the time then."""
+    while "Launching" not in launch.output() and launch.proc.is_alive():
+        time.sleep(0.02)
+    return time.monotonic()
+
+
 @pytest.fixture(scope="module")
 def killed(work):
-    """A two-job sweep killed with SIGKILL at random points, relaunched each time, then once more."""
+    """A two-job sweep killed with SIGKILL at random points, relaunched each time, then once more.
+
+    Kill times are fractions of the sweep's own work, measured first on an undisturbed launch in
+    another folder (the time from "Launching" to its end): at most 0.3 of it after "Launching", so
+    the first three launches die mid-sweep on a fast machine as on a slow one."""
+    timing = _launch(work, work / "timing", SWEEP_K, "timing.log")
+    start = _launched(timing)
+    assert timing.wait() == 0, timing.output()[-3000:]
+    work_s, compose_s = time.monotonic() - start, start - timing.started
     runs, rng, kills, i = work / "killed", random.Random(SEED), 0, 0
-    while kills < 4 and i < 8:
+    while kills < 4 and i < 10:
         launch = _launch(work, runs, SWEEP_K, f"kill{i}.log")
         if rng.random() < 0.8:  # most kills while the jobs run: training, checkpoints, transforms, records
-            while "Launching" not in launch.output() and launch.proc.is_alive():
-                time.sleep(0.05)
-            time.sleep(rng.uniform(0.3, 5.0))
+            _launched(launch)
+            time.sleep(rng.uniform(0.02, 0.3) * work_s)
         else:  # the others while the launch still validates and composes its jobs
-            time.sleep(rng.uniform(0.0, 4.0))
+            time.sleep(rng.uniform(0.0, 1.0) * compose_s)
         kills += launch.kill(signal.SIGKILL)
         launch.wait()
         i += 1
     FAULTS["kill -9"] += kills
     last = _launch(work, runs, SWEEP_K, "last.log")
-    return SimpleNamespace(runs=runs, kills=kills, code=last.wait(), log=last.output())
+    return SimpleNamespace(runs=runs, kills=kills, code=last.wait(), log=last.output(), work_s=work_s)
 
 
 def test_kill_9_at_random_points_loses_and_merges_nothing(killed, reference):
-    assert killed.kills >= 3
+    assert killed.kills >= 3, f"{killed.kills} kills landed before the sweep ended ({killed.work_s:.1f} s of work)"
     assert killed.code == 0, killed.log[-3000:]
     _check_records(killed.runs, _metrics(reference.runs), n=2)
 
