@@ -82,20 +82,45 @@ def _last_digit(number: str) -> float:
     return 10.0 ** (int(exponent or 0) - decimals)
 
 
-def _same_text_and_numbers(stored: str, fresh: str, where: str) -> None:
+# A cell tagged "learned" prints numbers of transforms learned by gradient steps through a quantizer
+# (or float32 round-off of a model they are fused into). The CPU's vector units change the float
+# summation order, a few codes flip during training and the learned transforms land elsewhere:
+# QuantMLA's C4R4 L_C in methods_on_caches.ipynb is 1.40e-03 with AVX-512 (as stored), 1.45e-03
+# with AVX2 (ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=AVX2) and was 1.49e-03 on an earlier machine, while
+# RTN's, SmoothQuant†'s and QuaRot†'s stay the same to the last digit. Such numbers agree within
+# LEARNED_REL, and round-off sized ones (< LEARNED_ROUNDOFF) as such; the claims the text makes of
+# them are checked on the fresh values below.
+LEARNED_REL = 0.15
+LEARNED_ROUNDOFF = 1e-5
+
+
+def _same_text_and_numbers(stored: str, fresh: str, where: str, learned: bool = False) -> None:
     """The stored output is the fresh one: the same text, each number the same up to one unit in its last
-    printed digit (a rounding that falls the other way); round-off sized numbers (< 1e-12) agree as such."""
+    printed digit (a rounding that falls the other way); round-off sized numbers (< 1e-12) agree as such.
+    In a ``learned`` cell, numbers agree within LEARNED_REL (or are both below LEARNED_ROUNDOFF)."""
     stored, fresh = ADDRESS.sub("0x?", stored), ADDRESS.sub("0x?", fresh)  # a repr's memory address
     assert NUMBER.sub("#", stored) == NUMBER.sub("#", fresh), f"{where}: stored\n{stored}\nfresh\n{fresh}"
     for a, b in zip(NUMBER.findall(stored), NUMBER.findall(fresh)):
-        assert abs(float(a) - float(b)) <= 1.01 * _last_digit(a) + 1e-12, f"{where}: stored {a}, fresh {b}"
+        x, y = float(a), float(b)
+        if abs(x - y) <= 1.01 * _last_digit(a) + 1e-12:
+            continue
+        if (
+            learned
+            and _last_digit(a)
+            and (max(abs(x), abs(y)) < LEARNED_ROUNDOFF or abs(x - y) <= LEARNED_REL * abs(x))
+        ):
+            continue
+        raise AssertionError(
+            f"{where}: stored {a}, fresh {b}" + (f" (more than {LEARNED_REL:.0%} apart)" if learned else "")
+        )
 
 
 def check_stored_matches(path: Path, fresh: dict) -> None:
     stored = _load(path)
     assert ["".join(c["source"]) for c in stored["cells"]] == ["".join(c["source"]) for c in fresh["cells"]]
     for i, (s, f) in enumerate(zip(_code(stored), _code(fresh))):
-        _same_text_and_numbers(_printed(s), _printed(f), f"{path.name}, code cell {i}")
+        learned = "learned" in s["metadata"].get("tags", [])
+        _same_text_and_numbers(_printed(s), _printed(f), f"{path.name}, code cell {i}", learned)
     assert _figures(fresh) == _figures(stored) == FIGURES[path.name]
 
 
@@ -125,6 +150,17 @@ def test_printed_numbers_are_compared_to_their_last_digit():
         _same_text_and_numbers("30 of 30 layers", "29 of 30 layers", "a count")
     with pytest.raises(AssertionError):
         _same_text_and_numbers("QuantMLA leads", "QuaRot leads", "text")
+    # a learned cell: within 15 %, round-off as such; counts and text stay exact
+    _same_text_and_numbers("L_C 1.49e-03", "L_C 1.40e-03", "learned", learned=True)
+    _same_text_and_numbers("fused: 6.8e-07", "fused: 1.2e-06", "learned round-off", learned=True)
+    with pytest.raises(AssertionError):
+        _same_text_and_numbers("L_C 1.49e-03", "L_C 1.40e-03", "not learned")
+    with pytest.raises(AssertionError):
+        _same_text_and_numbers("L_C 1.49e-03", "L_C 1.20e-03", "20 % apart", learned=True)
+    with pytest.raises(AssertionError):
+        _same_text_and_numbers("L_C 2.0e-05", "L_C 4.0e-06", "above round-off", learned=True)
+    with pytest.raises(AssertionError):
+        _same_text_and_numbers("30 of 30 layers", "29 of 30 layers", "a count", learned=True)
 
 
 def test_execute_refuses_a_failing_notebook(tmp_path):
