@@ -193,10 +193,11 @@ def qk_nmse(Q_P: torch.Tensor, K_P: torch.Tensor, K_hat: torch.Tensor, chunk: in
     num = den = 0.0
     for s in range(0, n, chunk):
         q = Q[:, :, s : s + chunk]
-        future = keys.unsqueeze(0) > torch.arange(s, s + q.shape[2], device=Q.device).unsqueeze(1)
-        num = num + (q @ E).masked_fill(future, 0.0).pow(2).sum((1, 2, 3))
+        J = s + q.shape[2]  # causal: keys after the block's last query are never read
+        future = keys[:J].unsqueeze(0) > torch.arange(s, J, device=Q.device).unsqueeze(1)
+        num = num + (q @ E[..., :J]).masked_fill(future, 0.0).pow(2).sum((1, 2, 3))
         with torch.no_grad():
-            den = den + (q @ Kt).masked_fill(future, 0.0).pow(2).sum((1, 2, 3))
+            den = den + (q @ Kt[..., :J]).masked_fill(future, 0.0).pow(2).sum((1, 2, 3))
     return num / den.clamp_min(1e-8)
 
 

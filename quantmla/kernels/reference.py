@@ -183,20 +183,22 @@ def prefill(
         for s0 in range(0, m, QUERY_CHUNK):
             s1 = min(m, s0 + QUERY_CHUNK)
             t = L - m + torch.arange(s0, s1, device=C.device)
-            allowed = k_index.unsqueeze(0) <= t.unsqueeze(1)
-            s = tau * (q[:, s0:s1] @ keys.T + qp[:, s0:s1] @ rkeys.T)
+            J = L - m + s1  # causal: the chunk's last query sees keys 0 .. J-1, no later one is read
+            k_j = k_index[:J]
+            allowed = k_j.unsqueeze(0) <= t.unsqueeze(1)
+            s = tau * (q[:, s0:s1] @ keys[:J].T + qp[:, s0:s1] @ rkeys[:J].T)
             if layer is not None:
-                keep = protected_pairs(t, k_index, sink, recent)
-                s_hat = tau * (q[:, s0:s1] @ hat.T + qp[:, s0:s1] @ rhat.T)
+                keep = protected_pairs(t, k_j, sink, recent)
+                s_hat = tau * (q[:, s0:s1] @ hat[:J].T + qp[:, s0:s1] @ rhat[:J].T)
                 s = torch.where(keep, s, s_hat)
             s = s.masked_fill(~allowed, float("-inf"))
             lse = torch.logsumexp(s, -1)
             p = torch.exp(s - lse.unsqueeze(-1))
             if layer is not None:
                 pk = p * keep
-                o_b.append(pk @ keys + (p - pk) @ hat)
+                o_b.append(pk @ keys[:J] + (p - pk) @ hat[:J])
             else:
-                o_b.append(p @ keys)
+                o_b.append(p @ keys[:J])
             lse_b.append(lse)
         pad = n - m
         o_b = torch.cat(o_b + [q_lat.new_zeros(H, pad, d_c, dtype=cd)], 1) if m else None
