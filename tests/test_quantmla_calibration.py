@@ -184,3 +184,65 @@ def test_table3_ablation_sweep_composes_the_papers_rows():
         ("quantmla", "c4r4", False, both),
         ("quantmla", "c4r4", True, both),
     ]
+
+
+def test_a_signal_during_an_update_saves_the_step_it_completes(tmp_path):
+    """SIGINT arriving inside ``opt.step()`` is held until the update ends: the checkpoint holds the
+    step just completed, not the one of the last validation (here step 0), and the parameters after it."""
+    import os
+    import signal
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from quantmla.optim import Schedule, train_path
+
+    class Path1:  # one parameter vector pulled towards 1
+        needs_outputs = False
+
+        def __init__(self):
+            self.w = torch.zeros(4, requires_grad=True)
+
+        def param_groups(self):
+            return [{"params": [self.w], "lr": 0.1}]
+
+        def loss(self, lb, ste):
+            return ((self.w - 1) ** 2).sum().reshape(1)
+
+        def anchor(self):
+            return self.w.sum() * 0
+
+        def snapshot(self):
+            return {"w": [self.w.detach().clone()]}
+
+        def restore(self, snap):
+            with torch.no_grad():
+                self.w.copy_(snap["w"][0])
+
+    class Bank:  # a teacher of 4 windows whose layers the path does not read
+        batch_size = 2
+
+        def __len__(self):
+            return 4
+
+        def layers(self, idx):
+            yield None
+
+        def __iter__(self):
+            yield 2, iter([None])
+            yield 2, iter([None])
+
+    def interrupt_inside_step(opt, args, kwargs):
+        if len(opt.state) and next(iter(opt.state.values()))["step"] == 2:  # the third update
+            os.kill(os.getpid(), signal.SIGINT)
+
+    path, ckpt = Path1(), tmp_path / "checkpoint.pt"
+    handle = register_optimizer_step_pre_hook(interrupt_inside_step)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            train_path(path, Bank(), Bank(), Schedule(steps=10, val_every=100), 0, ckpt, key="k", progress=False)
+    finally:
+        handle.remove()
+    saved = torch.load(ckpt, weights_only=True)
+    assert saved["step"] == 3
+    assert torch.equal(saved["params"]["w"][0], path.w.detach())
+    assert 0 < float(path.w[0]) < 1
