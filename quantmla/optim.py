@@ -11,11 +11,11 @@ at step 0 and every ``val_every`` steps and at the end; the lowest one's paramet
 A checkpoint (parameters, optimizer state, step, best so far, history) is written at every
 validation and when the loop is interrupted (Ctrl-C, or SIGTERM as a scheduler sends it), atomically;
 a later call with the same key resumes from it. A signal that arrives during an update is held until
-the update ends (:func:`held_signals`), so that checkpoint holds the last step completed. The
-learning rate is a pure function of the step, so nothing else is saved. It is read with ``torch.load(weights_only=True)``, which builds tensors and
-plain containers only and runs no code from the file; a checkpoint that does not load, was written
-for another key or does not fit the path is set aside (:func:`quantmla.files.set_aside`) and the
-path trained from the start.
+the update ends (:func:`quantmla.tracking.held_signals`), so that checkpoint holds the last step
+completed. The learning rate is a pure function of the step, so nothing else is saved. It is read
+with ``torch.load(weights_only=True)``, which builds tensors and plain containers only and runs no
+code from the file; a checkpoint that does not load, was written for another key or does not fit
+the path is set aside (:func:`quantmla.files.set_aside`) and the path trained from the start.
 """
 
 from __future__ import annotations
@@ -24,10 +24,7 @@ import logging
 import math
 import pickle
 import re
-import signal
-import threading
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -38,6 +35,7 @@ from quantmla.calibration import LayerBatch, Teacher, heldout_mean
 from quantmla.files import reason, replacing, set_aside
 from quantmla.progress import bar as progress_bar
 from quantmla.progress import interactive
+from quantmla.tracking import held_signals
 
 log = logging.getLogger(__name__)
 
@@ -87,30 +85,6 @@ def batch_indices(k: int, batch_size: int, n: int, seed: int) -> torch.Tensor:
         sel = pos // n == e
         out[sel] = perm[pos[sel] % n]
     return out
-
-
-@contextmanager
-def held_signals():
-    """Hold SIGINT and SIGTERM while the block runs (in the main thread, where handlers live): one that
-    arrives meanwhile is recorded and raised again, to the handler it was meant for, as the block
-    ends. An update of the parameters, the optimizer state and the step is then never cut in half,
-    and the checkpoint an interruption writes holds the last step completed. (Masking the signals
-    would not do: the OS hands a process signal to any thread not masking it, such as torch's.)"""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught: list[int] = []
-    before = {}
-    for s in (signal.SIGINT, signal.SIGTERM):
-        if signal.getsignal(s) is not None:  # None: a handler not set from Python, left in place
-            before[s] = signal.signal(s, lambda signum, frame: caught.append(signum))
-    try:
-        yield
-    finally:
-        for s, handler in before.items():
-            signal.signal(s, handler)
-        if caught:
-            signal.raise_signal(caught[0])
 
 
 def _save(path: Path, state: dict) -> None:
@@ -180,21 +154,15 @@ def train_path(
     if resumed is not None:
         state = resumed
         log.info("%s: resuming from step %d (%s)", desc, state["step"], checkpoint)
-    # False while an update or a validation's result is half applied: signals are held there, and any
-    # other exception raised there leaves the last checkpoint as it is
-    consistent = True
 
     def validate(step: int) -> float:
-        nonlocal consistent
         v = heldout_mean(heldout, lambda lb: {"L": path.loss(lb, ste=False)}, progress=False)["L"]
         better = state["best"] is None or v < state["best"]["loss"]
         snap = path.snapshot() if better else None
-        with held_signals():
-            consistent = False
+        with held_signals():  # the history and the best entry change together
             state["history"].append((step, v))
             if better:
                 state["best"] = {"loss": v, "step": step, "params": snap}
-            consistent = True
         return v
 
     def save() -> None:
@@ -223,11 +191,9 @@ def train_path(
             anchor = path.anchor()
             anchor.backward()
             torch.nn.utils.clip_grad_norm_(params, schedule.grad_clip)
-            with held_signals():
-                consistent = False
+            with held_signals():  # the parameters, the optimizer state and the step change together
                 opt.step()
                 state["step"] = k + 1
-                consistent = True
             if due(state["step"]):
                 last_val = validate(state["step"])
                 save()
@@ -240,9 +206,8 @@ def train_path(
             bar.set_postfix(loss=f"{total:.4g}", val=f"{last_val:.4g}", best=f"{state['best']['loss']:.4g}")
             if on_step is not None:
                 on_step(state["step"])
-    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (quantmla.tracking.Terminated)
-        if consistent:  # else the last checkpoint stands
-            save()
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (quantmla.tracking.Terminated); never inside an update
+        save()
         raise
     chosen = state["best"] if schedule.select == "best" else {"step": state["step"], "loss": state["history"][-1][1]}
     if schedule.select == "best":

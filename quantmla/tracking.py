@@ -144,6 +144,30 @@ def terminate_by_exception():
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+@contextmanager
+def held_signals():
+    """Hold SIGINT and SIGTERM while the block runs (in the main thread, where handlers live): one that
+    arrives meanwhile is recorded and raised again, to the handler it was meant for, as the block
+    ends, so a state the block changes in several steps (a calibration update: parameters,
+    optimizer state, step) is never saved half changed. (Masking the signals would not do: the OS
+    hands a process signal to any thread not masking it, such as torch's.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    before = {}
+    for s in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(s) is not None:  # None: a handler not set from Python, left in place
+            before[s] = signal.signal(s, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+        if caught:
+            signal.raise_signal(caught[0])
+
+
 STATES = ("running", "done", "failed", "interrupted")
 
 
