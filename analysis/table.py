@@ -408,8 +408,10 @@ def _floor_notes(rs: list[Row]) -> list[str]:
         measured = [r for r in block if any(s is not None for s in r.spread.values())]
         k0 = block[0].keys
         bits = {r.keys["bits"] for r in block}  # Table 3's block holds the BF16 row beside the C4R4 ones
-        where = k0["model"] + (f" {k0['bits']}" if len(bits) == 1 else "") + "".join(
-            f" {c}={v}" for c, v in k0.items() if c not in (*KEYS, *BLOCK_FREE, "exact")
+        where = (
+            k0["model"]
+            + (f" {k0['bits']}" if len(bits) == 1 else "")
+            + "".join(f" {c}={v}" for c, v in k0.items() if c not in (*KEYS, *BLOCK_FREE, "exact"))
         )
         if measured:
             out.append(
