@@ -27,18 +27,18 @@ def _kilo(n: int) -> str:
 
 def points(runs: list[dict]) -> pd.DataFrame:
     """One row per configuration, task and length: accuracy (%) and its standard error."""
-    chosen = [r for r in runs if isinstance(r["metrics"].get("mean"), dict)]
-    if not chosen:
+    got = PT.ruler_table(runs)
+    if got is None:
         return pd.DataFrame()
     out = []
-    for r in PT._prepared(chosen):
+    for r in got[3]:
         run = next((x for x in r.runs if N.unperturbed(x["config"])), r.runs[0])
         lengths = run["metrics"].get("settings", {}).get("lengths", [])
         for task, res in run["metrics"].get("results", {}).items():
             for n in lengths:
                 v, se = res.get(f"{n},none"), res.get(f"{n}_stderr,none")
                 out.append(
-                    PT._keys(r)
+                    PT.row_keys(r)
                     | {
                         "task": task,
                         "length": int(n),
@@ -58,24 +58,22 @@ def write(root: str | Path, out: str | Path) -> list[Path]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tasks = [t for t in TASKS if t in set(df["task"])] + sorted(set(df["task"]) - set(TASKS))
-    configs = list(dict.fromkeys(zip(df["model"], df["prec."], df["method"], df["protect"])))
+    config = ["model", "prec.", "method", "protect"]
+    configs = list(dict.fromkeys(df[config].itertuples(index=False, name=None)))
+    colour = dict(zip(configs, render.colours(len(configs))))  # one colour per configuration in every panel
     fig, axes = render.plt.subplots(1, len(tasks), figsize=(3.6 * len(tasks) + 0.6, 3.4), sharey=True, squeeze=False)
     for ax, task in zip(axes[0], tasks):
-        for (model, prec, method, protect), colour in zip(configs, render.colours(len(configs))):
-            sel = df[
-                (df["task"] == task)
-                & (df["model"] == model)
-                & (df["prec."] == prec)
-                & (df["method"] == method)
-                & (df["protect"] == protect)
-            ].sort_values("length")
+        here = df[df["task"] == task]
+        for key, sel in here.groupby(config, sort=False):
+            model, prec, method, protect = key
+            sel = sel.sort_values("length")
             bf16 = prec == "C16R16"
             label = f"{model} BF16" if bf16 else f"{model} {prec} {method}" + (" protected" if protect == "yes" else "")
             ax.errorbar(
                 sel["length"],
                 sel["accuracy"],
                 yerr=sel["se"].fillna(0.0),
-                color="black" if bf16 else colour,
+                color="black" if bf16 else colour[key],
                 ls="--" if bf16 else "-",
                 marker="o",
                 ms=3,
@@ -83,7 +81,7 @@ def write(root: str | Path, out: str | Path) -> list[Path]:
                 capsize=2,
                 label=label,
             )
-        lengths = sorted(set(df.loc[df["task"] == task, "length"]))
+        lengths = sorted(set(here["length"]))
         ax.set_xscale("log", base=2)
         ax.set_xticks(lengths, [_kilo(n) for n in lengths])
         ax.minorticks_off()

@@ -70,7 +70,8 @@ def _method(r: Row) -> str:
     return name + (f" ({'; '.join(more)})" if more else "")
 
 
-def _keys(r: Row) -> dict:
+def row_keys(r: Row) -> dict:
+    """The key columns of a row in the paper's tables (model, precision, method, protection, profile, runs)."""
     quantized = r.keys["bits"] != "C16R16"
     return {
         "model": r.keys["model"],
@@ -97,7 +98,7 @@ def layout(rs: list[Row], cols: tuple[str, ...], paper) -> tuple[pd.DataFrame, p
     text, bold, data = [], [], []
     for block in blocks(rs).values():
         for r in block:
-            keys = _keys(r)
+            keys = row_keys(r)
             text.append(keys | {h: render.number(r.values[c]) if c in r.values else "n/a" for c, h in zip(cols, heads)})
             bold.append({h: bool(r.best.get(c)) for c, h in zip(cols, heads)})
             source, ref = paper(r) or (None, None)
@@ -221,7 +222,7 @@ def table3(runs: list[dict]):
             c = N.compare(v, before.values["mmlu"], r.floor["mmlu"]) if before is not None else None
             paper = None if r.keys.get("variant") else P.TABLE3.get(label)  # Table 3 has P.REFERENCE only
             paper_step = paper - P.TABLE3[STEPS[step - 1]] if paper is not None and step else None
-            keys = _keys(r)
+            keys = row_keys(r)
             text.append(
                 {
                     "model": keys["model"],

@@ -1,7 +1,8 @@
 """``python -m analysis paper <runs-dir>``: everything the paper's reproduction renders from a folder of
 runs, into ``<runs-dir>/paper`` (or ``--out``): Tables 1–3 and RULER in the paper's layout
-(:mod:`analysis.paper`), Figure 4's accuracy against context length (:mod:`analysis.figure4`), Table 4–6 and their figures from the sensitivity runs
-(:mod:`analysis.sensitivity`, files ``sensitivity*``) and the claims with their verdicts
+(:mod:`analysis.paper`), Figure 4's accuracy against context length (:mod:`analysis.figure4`),
+Table 4–6 and their figures from the sensitivity runs (:mod:`analysis.sensitivity`, files
+``sensitivity*``) and the claims with their verdicts
 (:mod:`analysis.claims`). Each part is written when the runs it needs exist."""
 
 from __future__ import annotations

@@ -173,12 +173,9 @@ def test_cache_sizes_from_the_page_layout():
     assert claims.cache_sizes(d_c=256).verdict == "does not hold"  # the paper's numbers are for 512 + 64
 
 
-def _ruler(root, bits, method, protect, at_8k, noise=None):
-    """A RULER record at 4K and 8K: every S-NIAH task scores 0.95 at 4K and ``at_8k`` at 8K (SE 0.01)."""
-    tasks = ("niah_single_1", "niah_single_2", "niah_single_3")
-    res = {
-        t: {"4096,none": 0.95, "4096_stderr,none": 0.01, "8192,none": at_8k, "8192_stderr,none": 0.01} for t in tasks
-    }
+def ruler_record(root, bits, method, protect, res, noise=None):
+    """A finished RULER record with lm-eval's per-length ``results`` (``{task: {"4096,none": ...}}``)."""
+    lengths = sorted({int(k.split(",")[0]) for r in res.values() for k in r if "_stderr" not in k})
     cfg = {
         "model": {"name": "smollm2_mla"},
         "method": {"_target_": f"x.{method}", "name": method},
@@ -188,9 +185,17 @@ def _ruler(root, bits, method, protect, at_8k, noise=None):
     } | ({"noise": noise} if noise else {})
     rec = RunRecord(root, "f4", cfg)
     rec.start()
-    rec.finish(
-        {"results": res, "mean": {t: 100 * (0.95 + at_8k) / 2 for t in tasks}, "settings": {"lengths": [4096, 8192]}}
-    )
+    mean = {t: 100 * sum(r[f"{n},none"] for n in lengths) / len(lengths) for t, r in res.items()}
+    rec.finish({"results": res, "mean": mean, "settings": {"lengths": lengths}})
+
+
+def _ruler(root, bits, method, protect, at_8k, noise=None):
+    """A RULER record at 4K and 8K: every S-NIAH task scores 0.95 at 4K and ``at_8k`` at 8K (SE 0.01)."""
+    tasks = ("niah_single_1", "niah_single_2", "niah_single_3")
+    res = {
+        t: {"4096,none": 0.95, "4096_stderr,none": 0.01, "8192,none": at_8k, "8192_stderr,none": 0.01} for t in tasks
+    }
+    ruler_record(root, bits, method, protect, res, noise)
 
 
 @pytest.mark.parametrize("quantmla,verdict", [(0.90, "holds"), (0.803, "not measurable"), (0.70, "does not hold")])

@@ -2,10 +2,10 @@
 configuration run under a noise perturbation adds no line, and `analysis paper` writes the figure."""
 
 import pandas as pd
+from test_analysis_claims import ruler_record
 
 from analysis import figure4
 from analysis.reproduction import write
-from quantmla.tracking import RunRecord
 
 TASKS = ("niah_single_1", "niah_single_2", "niah_single_3")
 LENGTHS = (4096, 8192)
@@ -18,23 +18,12 @@ def _score(method: str, task: int, length: int, perturbed: bool) -> float:
 
 
 def _record(root, bits, method, protect, noise=None):
-    res = {}
+    who = method if bits != "c16r16" else "bf16"
+    res = {t: {} for t in TASKS}
     for i, t in enumerate(TASKS):
-        res[t] = {}
         for n in LENGTHS:
-            res[t][f"{n},none"] = _score(method if bits != "c16r16" else "bf16", i, n, noise is not None)
-            res[t][f"{n}_stderr,none"] = 0.01 + 0.001 * i
-    cfg = {
-        "model": {"name": "smollm2_mla"},
-        "method": {"_target_": f"x.{method}", "name": method},
-        "bits": {"name": bits},
-        "protect": {"enabled": protect},
-        "eval": {"name": "ruler"},
-    } | ({"noise": noise} if noise else {})
-    rec = RunRecord(root, "figure4_ruler", cfg)
-    rec.start()
-    mean = {t: 100 * sum(res[t][f"{n},none"] for n in LENGTHS) / len(LENGTHS) for t in TASKS}
-    rec.finish({"results": res, "mean": mean, "settings": {"lengths": list(LENGTHS)}})
+            res[t] |= {f"{n},none": _score(who, i, n, noise is not None), f"{n}_stderr,none": 0.01 + 0.001 * i}
+    ruler_record(root, bits, method, protect, res, noise)
 
 
 def test_points_are_the_records_scores_and_variants_add_no_line(tmp_path):
