@@ -143,8 +143,9 @@ def test_timed_out_job_is_requeued_and_resumes_from_its_caches(slurm, tmp_path):
         "hydra.launcher.cpus_per_task=1",
         "hydra.launcher.timeout_min=10",  # ≤ 10 min: submitit counts any SIGUSR2 as the time limit's
         "method=quantmla", "bits=c4r4", "profile=smoke", "eval=lm_eval", "eval.tasks=[arc_easy]",
-        "eval.limit=24", "eval.batch_size=4", "logger=none", f"runs_dir={tmp_path}", "sweep=requeue",
+        "eval.limit=24", "eval.batch_size=1", "logger=none", f"runs_dir={tmp_path}", "sweep=requeue",
     ]  # fmt: skip
+    # batch 1: 97 batches, so the signal lands while the first attempt is still scoring
     env = slurm | {"PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
     root = tmp_path / "requeue"
@@ -154,7 +155,7 @@ def test_timed_out_job_is_requeued_and_resumes_from_its_caches(slurm, tmp_path):
             records = [p.parent for p in root.glob("*/status")]
             if records and _responses(records[0]) >= 4:
                 break
-            time.sleep(0.5)
+            time.sleep(0.05)  # a fast CPU scores the tiny model's 97 requests in well under a second
         else:
             pytest.fail(f"the job never reached lm-eval: {proc.communicate(timeout=60)[1][-3000:]}")
         (job,) = _job_ids(root)
