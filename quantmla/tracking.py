@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import platform
 import signal
 import subprocess
@@ -83,6 +84,15 @@ def run_id(cfg: dict) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
+def devices() -> list[str]:
+    """The accelerators this process sees (CUDA device names), or the CPU where there are none. Reads
+    torch only if the process has imported it, so writing a record never loads it."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return [f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"]
+
+
 def environment() -> dict:
     versions = {}
     for name in VERSIONED:
@@ -105,6 +115,7 @@ def environment() -> dict:
         "git_revision": rev or None,
         "git_dirty": bool(dirty),
         "host": platform.node(),
+        "devices": devices(),
         "argv": sys.argv,
     }
 

@@ -173,6 +173,9 @@ def test_four_methods_by_three_formats_as_a_multirun(tmp_path, launcher):
         cfg = yaml.safe_load((f.parent / "config.yaml").read_text())
         ppl[cfg["method"]["name"], cfg["bits"]["name"]] = json.loads(f.read_text())["ppl"]
     assert len(ppl) == 9, sorted(ppl)  # C16R16 is one run, recorded with RTN, whatever the method
+    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    for f in Path(tmp_path).rglob("env.json"):
+        assert json.loads(f.read_text())["devices"] == names, f  # the record names the GPU it ran on
     assert all(math.isfinite(v) for v in ppl.values()), ppl
     for method in ("rtn", "smoothquant", "quarot", "quantmla"):
         assert ppl[method, "c2r4"] > 0.98 * ppl["rtn", "c16r16"], ppl

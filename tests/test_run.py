@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from fault_tools import broken_checkpoint
 from hydra import compose, initialize_config_dir
@@ -283,6 +284,10 @@ def test_main_sweep_records_skips_and_prints_table(tmp_path):
         assert cfg["model"]["name"] == "tiny" and cfg["method"]["name"] == "rtn"
         env = json.loads((d / "env.json").read_text())
         assert env["versions"]["torch"] and "git_revision" in env
+        if torch.cuda.is_available():  # the devices the process saw
+            assert env["devices"] == [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        else:
+            assert len(env["devices"]) == 1 and env["devices"][0].startswith("cpu: ")
         assert list(d.glob("wandb/offline-run-*/run-*.wandb")), "W&B offline log missing"
     table, out = (" ".join(t.split()) for t in ((tmp_path / "readme" / "table.md").read_text(), r.stdout))
     for b in ("C16R16", "C4R4", "C2R4"):
