@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -160,6 +161,26 @@ def check_pairing(model, n: int = 32) -> None:
     inputs = capture_inputs(model, ids.to(model_device(model)))
     for layer, inp in zip(latent_layers(model), inputs):
         check_rope_pairing(layer.mla, inp.position_embeddings)
+
+
+# ----- numerics ---------------------------------------------------------------------------------
+MATMUL_PRECISIONS = ("highest", "high", "medium")
+
+
+@contextmanager
+def matmul_precision(precision: str) -> Iterator[None]:
+    """torch's float32 matrix-multiply precision (:func:`torch.set_float32_matmul_precision`) for the
+    duration, then the one before. ``highest``: IEEE float32; ``high``: TensorFloat-32 inputs (10
+    mantissa bits, float32 accumulation) on GPUs that have it (Ampere and later); ``medium``: bfloat16
+    inputs. On a CPU the lower precisions apply only where oneDNN has such products (AMX)."""
+    if precision not in MATMUL_PRECISIONS:
+        raise ValueError(f"matmul precision '{precision}' is not one of {', '.join(MATMUL_PRECISIONS)}")
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 # ----- objectives -------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from mla_fixtures import installed, method_context
+from omegaconf import OmegaConf
 from safetensors import safe_open
 
 from quantmla import methods, mla
@@ -98,6 +99,40 @@ def test_ablation_switches_choose_the_paths(tmp_path):
     state = m.calibrate(model, mla.adapters(model), method_context(tok, tmp_path))
     assert {k.split(".")[1] for k in state} == {"theta_P", "s_P"}
     assert m.info["cached_P"] == 0 and "cached_C" not in m.info
+
+
+@pytest.mark.slow
+def test_matmul_precision_holds_during_calibration_only_and_keys_the_transforms(tmp_path):
+    """``matmul_precision`` is torch's float32 product precision while a path trains, the previous one
+    after; a stored entry computed at another precision is not reused, and at ``highest`` (IEEE, what
+    entries and runs made before the setting used) neither the entry's key nor the run's id names it."""
+    from quantmla.tracking import run_id
+
+    model, tok, _ = installed("tiny")
+    torch.set_float32_matmul_precision("medium")
+    try:
+        for precision, reused in (("highest", None), ("high", 0), ("high", 1)):
+            m = methods.get(QuantMLAConfig(steps=2, val_every=1, paths={"rope": False}, matmul_precision=precision))
+            seen = []
+            m.on_step = lambda step: seen.append(torch.get_float32_matmul_precision())
+            m.calibrate(model, mla.adapters(model), method_context(tok, tmp_path))
+            assert seen == ([] if reused else [precision] * 2)
+            assert torch.get_float32_matmul_precision() == "medium"
+            if reused is not None:
+                assert m.info["cached_C"] == reused
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    entries = {json.loads(f.read_text())["method"] for f in tmp_path.rglob("config.json")}
+    assert len(entries) == 2  # highest and high: two entries
+    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
+        cfg = OmegaConf.to_container(compose("run", overrides=["method=quantmla", "bits=c4r4"]), resolve=True)
+    assert cfg["method"]["matmul_precision"] == "highest"
+    before = json.loads(json.dumps(cfg))
+    del before["method"]["matmul_precision"]
+    assert run_id(cfg) == run_id(before)
+    cfg["method"]["matmul_precision"] = "high"
+    assert run_id(cfg) != run_id(before)
+    assert "matmul_precision 'tf32' is not one of highest, high, medium" in _plan_error("method.matmul_precision=tf32")
 
 
 def _plan_error(*overrides) -> str:

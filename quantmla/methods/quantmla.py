@@ -24,7 +24,9 @@ again.
 Named deviations from the paper's recipe, all off by default: ``paths`` (Table 3's ablation:
 content / RoPE transform on or off; protection is the run's ``protect.enabled``),
 ``content_objective: cache_mse`` (plain cache reconstruction), ``rope_objective: output``,
-``select: last`` (keep the final step instead of the best held-out one).
+``select: last`` (keep the final step instead of the best held-out one). ``matmul_precision``
+(``high``: TensorFloat-32 products on GPUs) sets torch's float32 matrix-multiply precision while the
+paths train; at ``highest``, the default, every product is IEEE float32.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from safetensors.torch import load_file, save_file
 
 from quantmla import placement
 from quantmla.calibration import (
+    MATMUL_PRECISIONS,
     LayerBatch,
     Teacher,
     activation_percentiles,
@@ -51,6 +54,7 @@ from quantmla.calibration import (
     check_pairing,
     content_loss,
     heldout_mean,
+    matmul_precision,
     rope_loss,
 )
 from quantmla.files import one_writer, reason, remove_stale_temps, replacing, set_aside, write_atomic
@@ -96,6 +100,7 @@ class QuantMLAConfig(MethodConfig):
     content_objective: str = "output"
     rope_objective: str = "qk"
     select: str = "best"  # best: the lowest held-out step (paper); last: the final step
+    matmul_precision: str = "highest"  # float32 products while calibrating: highest (IEEE) | high (TF32) | medium
     cache: bool = True
     teacher_cache_gb: float = 4.0  # keep the teacher's pieces in memory when a whole bank fits
 
@@ -129,6 +134,10 @@ class QuantMLAConfig(MethodConfig):
             )
         if self.select not in ("best", "last"):
             raise ValueError(f"QuantMLA select must be 'best' or 'last', got '{self.select}'")
+        if self.matmul_precision not in MATMUL_PRECISIONS:
+            raise ValueError(
+                f"QuantMLA matmul_precision '{self.matmul_precision}' is not one of {', '.join(MATMUL_PRECISIONS)}"
+            )
         if self.rope_objective not in ROPE_OBJECTIVES:
             raise ValueError(f"unknown rope_objective '{self.rope_objective}'; choose {', '.join(ROPE_OBJECTIVES)}")
 
@@ -285,6 +294,8 @@ class QuantMLA(Method):
 
     def _key(self, path: str, bits: int, model_fp: str, data_fp: str, ctx: MethodContext) -> str:
         method = {k: v for k, v in self.config.to_dict().items() if k not in ("paths", "cache", "teacher_cache_gb")}
+        if method["matmul_precision"] == "highest":  # what every entry stored before the setting existed used
+            del method["matmul_precision"]
         blob = {
             "format": FORMAT_VERSION,
             "path": path,
@@ -367,7 +378,8 @@ class QuantMLA(Method):
                 self._reuse(need, folders, results, adapters)
                 need = [p for p in todo if p not in results]
             if need:
-                self._train(model, adapters, ctx, train, heldout, todo, need, folders, results)
+                with matmul_precision(self.config.matmul_precision):
+                    self._train(model, adapters, ctx, train, heldout, todo, need, folders, results)
         transforms = [LayerTransform() for _ in adapters]
         for per_layer in results.values():
             for t, entries in zip(transforms, per_layer):
