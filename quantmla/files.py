@@ -9,6 +9,8 @@
 - :func:`one_writer` holds a lock file in a folder (a run's record, a cache entry) while one
   process computes what goes there; a second process waits and says what it waits for. The locks
   are ``flock`` locks, released by the kernel when their process dies, even by ``kill -9``.
+  :func:`first_writer` holds the lock of one of several folders: the first that no other process
+  holds, so that processes needing the same entries compute different ones at once.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
@@ -100,3 +102,29 @@ def one_writer(folder: str | Path, what: str) -> Iterator[bool]:
         yield waited
     finally:
         lock.release()
+
+
+@contextmanager
+def first_writer(folders: dict[Hashable, str | Path], what: Callable[[Hashable], str]) -> Iterator[Hashable]:
+    """Hold the lock of one of ``folders`` (key -> folder) and yield its key: the first, in the dict's
+    order, that no other process holds; when every one is held, wait for the first. A caller that
+    holds no other lock meanwhile cannot deadlock with another doing the same."""
+    from filelock import FileLock, Timeout
+
+    if not folders:
+        raise ValueError("first_writer needs at least one folder")
+    for key, folder in folders.items():
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(Path(folder) / LOCK_NAME))
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            continue
+        try:
+            yield key
+        finally:
+            lock.release()
+        return
+    key = next(iter(folders))
+    with one_writer(folders[key], what(key)):
+        yield key

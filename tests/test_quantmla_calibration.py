@@ -135,6 +135,83 @@ def test_matmul_precision_holds_during_calibration_only_and_keys_the_transforms(
     assert "matmul_precision 'tf32' is not one of highest, high, medium" in _plan_error("method.matmul_precision=tf32")
 
 
+def _hold(*folders):
+    """Hold the locks of ``folders`` from another thread until the returned event is set."""
+    import threading
+
+    from filelock import FileLock
+
+    from quantmla.files import LOCK_NAME
+
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        locks = [FileLock(str(f / LOCK_NAME)) for f in folders]
+        for lock in locks:
+            lock.acquire()
+        held.set()
+        release.wait(30)
+        for lock in locks:
+            lock.release()
+
+    threading.Thread(target=hold, daemon=True).start()
+    assert held.wait(10)
+    return release
+
+
+def test_first_writer_takes_a_free_folder_and_waits_only_when_all_are_held(tmp_path):
+    import threading
+
+    from filelock import FileLock, Timeout
+
+    from quantmla.files import LOCK_NAME, first_writer
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    release_a = _hold(a)
+    with first_writer({"a": a, "b": b}, str) as key:
+        assert key == "b"
+        with pytest.raises(Timeout):  # b is held while the block runs
+            FileLock(str(b / LOCK_NAME)).acquire(timeout=0)
+    release_a.set()
+    release_both = _hold(a, b)
+    threading.Timer(0.3, release_both.set).start()
+    with first_writer({"a": a, "b": b}, str) as key:
+        assert key == "a"  # every one held: it waited for the first
+
+
+@pytest.mark.slow
+def test_a_path_another_process_computes_is_waited_for_after_the_free_one(tmp_path):
+    """While another holder computes the content entry, a calibration needing both paths trains the
+    RoPE path first, then waits for the content entry (and, finding none stored, trains it)."""
+    import threading
+
+    model, tok, _ = installed("tiny")
+    probe = methods.get(QuantMLAConfig(steps=2, val_every=1, paths={"rope": False}))
+    probe.calibrate(model, mla.adapters(model), method_context(tok, tmp_path))
+    content = probe.stored["C"]
+    (content / "transforms.safetensors").unlink()  # gone: whoever takes the lock computes it
+    release = _hold(content)
+    m = methods.get(QuantMLAConfig(steps=2, val_every=1))
+    done = threading.Event()
+    t = threading.Thread(
+        target=lambda: (m.calibrate(model, mla.adapters(model), method_context(tok, tmp_path)), done.set())
+    )
+    t.start()
+    try:
+        for _ in range(600):  # the RoPE entry appears while the content lock is still held elsewhere
+            if "P" in m.stored and (m.stored["P"] / "transforms.safetensors").exists():
+                break
+            t.join(0.1)
+        assert (m.stored["P"] / "transforms.safetensors").exists() and not done.is_set()
+        assert [k for k in m.info if k.startswith("step_")] == ["step_P"]
+    finally:
+        release.set()
+    t.join(120)
+    assert done.is_set() and (m.info["cached_C"], m.info["cached_P"]) == (0, 0)
+    assert (content / "transforms.safetensors").exists()
+
+
 def _plan_error(*overrides) -> str:
     with pytest.raises(ConfigError) as e:
         validate_argv(["model=tiny", "logger=none", "method=quantmla", "bits=c4r4", *overrides])

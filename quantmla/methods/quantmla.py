@@ -17,7 +17,8 @@ with the config that made it, keyed by a hash of (model weights and config, meth
 path's bit width, calibration windows); later runs reuse it. C4R4 and C2R4 therefore share the
 RoPE calibration, and the ablation rows share the content calibration. ``checkpoint.pt`` in the
 same folder lets an interrupted calibration resume. One process at a time computes an entry (its
-folder's lock; another process that needs it waits, then reuses it), and a stored entry is checked
+folder's lock; another process that needs it waits, then reuses it; a process that needs several
+computes one no other process holds first), and a stored entry is checked
 when read (its key, layers, fields, shapes, finite values): a damaged one is set aside and computed
 again.
 
@@ -35,7 +36,6 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,7 +57,7 @@ from quantmla.calibration import (
     matmul_precision,
     rope_loss,
 )
-from quantmla.files import one_writer, reason, remove_stale_temps, replacing, set_aside, write_atomic
+from quantmla.files import first_writer, reason, remove_stale_temps, replacing, set_aside, write_atomic
 from quantmla.optim import Schedule, train_path
 from quantmla.registry import Method, MethodConfig, MethodContext, register
 from quantmla.transforms import (
@@ -369,17 +369,17 @@ class QuantMLA(Method):
         self.stored = {p: folder for p, (folder, _) in folders.items()}
         need = [p for p in todo if p not in results]
         self._live = [live_channels(a) for a in adapters]
-        with ExitStack() as held:
-            if need:  # one process computes an entry; the others wait for it, then reuse it
-                for p in sorted(need, key=lambda p: folders[p][1]):  # one order everywhere: no deadlock
-                    folder, key = folders[p]
-                    held.enter_context(one_writer(folder, f"QuantMLA {p} transforms {key}"))
-                    remove_stale_temps(folder)
-                self._reuse(need, folders, results, adapters)
-                need = [p for p in todo if p not in results]
-            if need:
-                with matmul_precision(self.config.matmul_precision):
-                    self._train(model, adapters, ctx, train, heldout, todo, need, folders, results)
+        # One process computes an entry, the others reuse it. Each path is claimed alone, the first one
+        # no other process is computing: two runs needing C4 and R4, and C2 and R4, compute C4 and C2 at
+        # once, then one computes R4 while the other waits for it.
+        pending, shared = {p: folders[p][0] for p in need}, {}
+        while pending:
+            with first_writer(pending, lambda p: f"QuantMLA {p} transforms {folders[p][1]}") as p:
+                remove_stale_temps(pending.pop(p))
+                self._reuse([p], folders, results, adapters)
+                if p not in results:
+                    with matmul_precision(self.config.matmul_precision):
+                        self._train(model, adapters, ctx, train, heldout, todo, [p], folders, results, shared)
         transforms = [LayerTransform() for _ in adapters]
         for per_layer in results.values():
             for t, entries in zip(transforms, per_layer):
@@ -398,13 +398,16 @@ class QuantMLA(Method):
                 self.info[f"cached_{p}"] = 1
                 log.info("QuantMLA %s path: reusing %s", p, folders[p][0])
 
-    def _train(self, model, adapters, ctx, train, heldout, todo, need, folders, results) -> None:
-        """Learn the paths in ``need``, store each, and put their transforms into ``results``."""
+    def _train(self, model, adapters, ctx, train, heldout, todo, need, folders, results, shared) -> None:
+        """Learn the paths in ``need``, store each, and put their transforms into ``results``. ``shared``
+        keeps the activation statistics and the held-out teacher for the next call of the same calibration."""
         cfg, spec, cal = self.config, ctx.spec, ctx.calibration
         devices = [placement.execution_device(a.module) for a in adapters]
         budget = cfg.teacher_cache_gb * 2**30
-        a_C, a_P = activation_percentiles(model, train, cal.batch_size, cfg.percentile / 100, ctx.progress)
-        held = Teacher(model, heldout, cal.batch_size, outputs=True, cache_bytes=budget)
+        if not shared:
+            shared["stats"] = activation_percentiles(model, train, cal.batch_size, cfg.percentile / 100, ctx.progress)
+            shared["held"] = Teacher(model, heldout, cal.batch_size, outputs=True, cache_bytes=budget)
+        (a_C, a_P), held = shared["stats"], shared["held"]
         log_s0 = self._alpha_init(held, a_C, a_P, need, todo, spec, ctx.progress)
         for p in need:
             if p == "C":
