@@ -6,7 +6,8 @@ tokens, batch 4), both paths at ``--bits``, ``--steps`` updates per path with va
 ``--val-every``, nothing read from or written to the transform store. For each precision in
 ``--precisions`` (``highest``: IEEE float32, the default; ``high``: TF32 products) the script
 calibrates from scratch and records the median time per optimizer step of each path (steps with a
-validation excluded), the mean cost of one validation, the time before the first content step
+validation excluded) and its host synchronisations (``torch.cuda.set_sync_debug_mode``; each
+one stalls the host until the GPU's queue drains), the mean cost of one validation, the time before the first content step
 (statistics and the α-grid) and the whole calibration; then the held-out objectives (L_C, L_P) of
 the transforms it learned, evaluated at ``highest`` for every precision, so that the precisions are
 compared on one scale.
@@ -27,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -54,8 +56,10 @@ def calibrate_once(p, model, tokenizer, precision: str, steps: int, cache_dir: P
     cfg = p.method.config
     method = QuantMLA(dataclasses.replace(cfg, matmul_precision=precision, cache=False))
     stamps: list[float] = []
+    marks: list[int] = []  # warnings caught so far, at each stamp
 
     def on_step(step: int) -> None:
+        marks.append(len(caught))
         _sync()
         stamps.append(time.perf_counter())
 
@@ -70,18 +74,30 @@ def calibrate_once(p, model, tokenizer, precision: str, steps: int, cache_dir: P
         progress=False,
     )
     _sync()
-    t0 = time.perf_counter()
-    state = method.calibrate(model, mla.adapters(model), ctx)
-    _sync()
-    wall = time.perf_counter() - t0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if torch.cuda.is_available():
+            torch.cuda.set_sync_debug_mode("warn")  # each host synchronisation becomes a warning, counted per step
+        try:
+            t0 = time.perf_counter()
+            state = method.calibrate(model, mla.adapters(model), ctx)
+            _sync()
+            wall = time.perf_counter() - t0
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.set_sync_debug_mode("default")
+    is_sync = [int("synchroniz" in str(w.message)) for w in caught]
     per_path = {}
     val_every = cfg.val_every
-    for name, chunk in (("content", stamps[:steps]), ("rope", stamps[steps:])):
+    for name, part in (("content", slice(None, steps)), ("rope", slice(steps, None))):
+        chunk, at = stamps[part], marks[part]
         gaps = [b - a for a, b in zip(chunk, chunk[1:])]  # gap i: update i + 2 (1-based), with its validation if due
         plain = [g for i, g in enumerate(gaps) if (i + 2) % val_every != 0]
         with_val = [g for i, g in enumerate(gaps) if (i + 2) % val_every == 0]
+        syncs = [sum(is_sync[a:b]) for i, (a, b) in enumerate(zip(at, at[1:])) if (i + 2) % val_every != 0]
         per_path[name] = {
             "median_step_s": statistics.median(plain) if plain else None,
+            "syncs_per_step": statistics.median(syncs) if syncs else None,
             "validation_s": statistics.fmean(with_val) - statistics.median(plain) if with_val and plain else None,
             "path_s": chunk[-1] - chunk[0] if chunk else None,
         }

@@ -32,6 +32,7 @@ from quantmla.progress import bar
 from quantmla.transforms import (
     LayerTransform,
     check_rope_pairing,
+    pair_index,
     quantized_content,
     quantized_rope,
     rope_key_maps,
@@ -317,8 +318,7 @@ def activation_percentiles(
             _, post = rope_pairs(lb.mla)
             acc_C[lb.index].update(lb.u.abs().reshape(-1, d_c))
             k = lb.K_P.float().abs().reshape(-1, d_r)
-            a = torch.tensor([p[0] for p in post], device=k.device)
-            b = torch.tensor([p[1] for p in post], device=k.device)
+            a, b = pair_index(post, k.device)
             acc_P[lb.index].update(torch.cat([k[:, a], k[:, b]]))
     return [a.result() for a in acc_C], [a.result() for a in acc_P]
 

@@ -183,11 +183,12 @@ def train_path(
                 g["lr"] = lr * schedule.lr_factor(k)
             opt.zero_grad(set_to_none=True)
             layers = list(train.layers(batch_indices(k, train.batch_size, len(train), seed)))
-            total = 0.0
+            losses = []
             for lb in layers:
                 loss = path.loss(lb, ste=True).mean() / len(layers)
                 loss.backward()
-                total += float(loss.detach())
+                losses.append(loss.detach())  # read after the loop: reading each layer's would wait for it
+            total = sum(float(v) for v in losses)
             anchor = path.anchor()
             anchor.backward()
             torch.nn.utils.clip_grad_norm_(params, schedule.grad_clip)

@@ -69,8 +69,9 @@ def _scale(xg: torch.Tensor, m: int, scale_dtype: torch.dtype) -> tuple[torch.Te
     xmin = xg.amin(-1, keepdim=True)
     xmax = xg.amax(-1, keepdim=True)
     # m as a tensor on the data's device: CUDA torch turns division by a Python number into a
-    # multiplication by its reciprocal (1 ulp off for m = 15), and the GPU writer divides exactly
-    s = (xmax - xmin).clamp_min(1e-8) / torch.tensor(float(m), device=xg.device)
+    # multiplication by its reciprocal (1 ulp off for m = 15), and the GPU writer divides exactly.
+    # Filled there (torch.full), not copied from the host: a host-to-device copy waits for the queue
+    s = (xmax - xmin).clamp_min(1e-8) / torch.full((), float(m), device=xg.device)
     if scale_dtype != torch.float32:
         s = s.to(scale_dtype).float()
     return s, xmin

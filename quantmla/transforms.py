@@ -30,6 +30,7 @@ Row-vector convention: a paper matrix ``W`` is ``weight.T`` of an ``nn.Linear``.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, fields
 
@@ -87,14 +88,27 @@ def cayley(P: torch.Tensor) -> torch.Tensor:
     orthogonal, R = I at P = 0."""
     A = P - P.transpose(-1, -2)
     eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
-    # (I - A) and (I + A) commute, so (I - A)(I + A)^-1 = (I + A)^-1 (I - A).
-    return torch.linalg.solve(eye + A, eye - A)
+    # (I - A) and (I + A) commute, so (I - A)(I + A)^-1 = (I + A)^-1 (I - A). I + A is invertible for
+    # every skew A (its eigenvalues are 1 + iλ), so solve_ex: solve's check of that reads the GPU's result
+    return torch.linalg.solve_ex(eye + A, eye - A).result
 
 
 def check_pairs(pairs: list[tuple[int, int]], d_r: int, what: str) -> None:
     flat = sorted(i for p in pairs for i in p)
     if len(pairs) != d_r // 2 or flat != list(range(d_r)):
         raise ValueError(f"{what} {pairs[:3]}… are not a split of the {d_r} RoPE channels into {d_r // 2} pairs")
+
+
+def pair_index(pairs, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first and second channels of every pair, as index tensors on ``device``. Built once per
+    pairing and device: a calibration step asks for them for every layer, and each new tensor copied
+    to a GPU waits for the work queued before it."""
+    return _pair_index(tuple((int(a), int(b)) for a, b in pairs), None if device is None else torch.device(device))
+
+
+@functools.lru_cache(maxsize=1024)
+def _pair_index(pairs: tuple[tuple[int, int], ...], device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.tensor([p[0] for p in pairs], device=device), torch.tensor([p[1] for p in pairs], device=device)
 
 
 def pair_matrix(
@@ -113,8 +127,7 @@ def pair_matrix(
     dtype = ref.dtype if ref is not None else torch.float32
     device = ref.device if ref is not None else None
     half = len(pairs)
-    a = torch.tensor([p[0] for p in pairs], device=device)
-    b = torch.tensor([p[1] for p in pairs], device=device)
+    a, b = pair_index(pairs, device)
     th = theta if theta is not None else torch.zeros(half, dtype=dtype, device=device)
     sc = s if s is not None else torch.ones(half, dtype=dtype, device=device)
     if inverse_scale:
