@@ -110,6 +110,28 @@ def test_attend_is_differentiable_through_the_reference():
     assert rel(q.grad, gq) < 1e-10 and rel(C.grad, gC) < 1e-10
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_dense_reference_is_prefill_without_pages_batched(dtype):
+    """``reference.dense`` (what calibration trains through) gives prefill's outputs and gradients
+    for full requests, over more than one query chunk and with fewer queries than keys."""
+    gen = torch.Generator().manual_seed(12)
+    B, H, L = 3, 2, ref.QUERY_CHUNK + 45
+    for n in (L, L - 30):
+        C = torch.randn(B, L, 32, generator=gen, dtype=dtype).to(DEVICE).requires_grad_()
+        K = torch.randn(B, L, 16, generator=gen, dtype=dtype).to(DEVICE).requires_grad_()
+        q = torch.randn(B, H, n, 32, generator=gen, dtype=dtype).to(DEVICE).requires_grad_()
+        qp = torch.randn(B, H, n, 16, generator=gen, dtype=dtype).to(DEVICE).requires_grad_()
+        full = torch.full((B,), L, device=DEVICE), torch.full((B,), n, device=DEVICE)
+        o, lse = ref.dense(q, qp, C, K, 0.2)
+        o_ref, lse_ref = ref.prefill(q, qp, C, K, *full, 0.2, 0, 0)
+        tol = 1e-12 if dtype == torch.float64 else 1e-6
+        assert o.dtype == o_ref.dtype and rel(o, o_ref) < tol and rel(lse, lse_ref) < tol
+        w = torch.randn(o.shape, generator=gen, dtype=dtype).to(DEVICE)
+        got = torch.autograd.grad((o * w).sum() + lse.sum(), (q, qp, C, K))
+        want = torch.autograd.grad((o_ref * w).sum() + lse_ref.sum(), (q, qp, C, K))
+        assert all(rel(g, h) < 10 * tol for g, h in zip(got, want))
+
+
 def test_bad_prefill_inputs_raise():
     gen = torch.Generator().manual_seed(8)
     fmt = PageFormat(4, 4)

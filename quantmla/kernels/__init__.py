@@ -292,6 +292,10 @@ def attend(q_lat, q_pe, C, K_P, key_valid, spec, tau: float, backend: str = "aut
     dev = C.device
     if backend == "auto" and traced(q_lat, q_pe, C, K_P):
         backend = "reference"  # under torch.func the pages are written and read by the reference
+    if key_valid is None and not spec.quantized:
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_lat, q_pe, C, K_P))
+        if resolve_backend(backend, dev, grad or traced(q_lat, q_pe, C, K_P), C.dtype) == "reference":
+            return reference.dense(q_lat, q_pe, C.contiguous(), K_P.contiguous(), tau)
     if key_valid is None:
         kv_len = torch.full((B,), L, dtype=torch.int64, device=dev)
         q_len = torch.full((B,), n, dtype=torch.int64, device=dev)

@@ -129,6 +129,34 @@ def decode(
     return _into(out, o.float(), lse.float()) if exact else _into(out, o, lse)
 
 
+def dense(q_lat, q_pe, C, K_P, tau: float):
+    """:func:`prefill` without pages or padding (every request holds all ``L`` keys and its ``n``
+    queries are the last ``n`` tokens), computed for all requests at once: no per-request loop and
+    no lengths read from the device. Differentiable; what calibration trains through."""
+    B, H, n, d_c = q_lat.shape
+    L, dtype = C.shape[1], C.dtype
+    cd = compute_dtype(dtype)
+    keys, rkeys = C.to(cd), K_P.to(cd)
+    q, qp = q_lat.to(dtype).to(cd), q_pe.to(dtype).to(cd)
+    k_index = torch.arange(L, device=C.device)
+    outs, lses = [], []
+    for s0 in range(0, n, QUERY_CHUNK):
+        s1 = min(n, s0 + QUERY_CHUNK)
+        m, J = s1 - s0, L - n + s1  # causal: the chunk's last query sees keys 0 .. J-1, no later one is read
+        t = L - n + torch.arange(s0, s1, device=C.device)
+        allowed = k_index[:J].unsqueeze(0) <= t.unsqueeze(1)
+        k_j, r_j = keys[:, :J], rkeys[:, :J]
+        # the heads' queries as rows of one product per request: (B, H·m, d) @ (B, d, J)
+        q_c, qp_c = q[:, :, s0:s1].reshape(B, H * m, -1), qp[:, :, s0:s1].reshape(B, H * m, -1)
+        s = tau * (q_c @ k_j.transpose(-1, -2) + qp_c @ r_j.transpose(-1, -2))
+        s = s.view(B, H, m, J).masked_fill(~allowed, float("-inf"))
+        lse = torch.logsumexp(s, -1)
+        p = torch.exp(s - lse.unsqueeze(-1))
+        outs.append((p.view(B, H * m, J) @ k_j).view(B, H, m, d_c))
+        lses.append(lse)
+    return torch.cat(outs, 2), torch.cat(lses, 2)
+
+
 def _into(out, o, lse):
     if out is None:
         return o, lse
