@@ -9,6 +9,7 @@ eq. 1) request by request in float32::
 
 where a key row is the cache-dtype row when the (query, key) pair is protected and the
 dequantized row otherwise, in the scores and in the aggregation, under one softmax.
+:func:`dense` is the same attention without pages or padding, for all requests at once.
 
 Queries enter in the cache dtype (``q.to(dtype)``), as the kernels take them. The
 teacher-forced :func:`prefill` is differentiable in the queries and the cache-dtype keys
