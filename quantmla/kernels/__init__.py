@@ -77,6 +77,11 @@ def traced(*tensors) -> bool:
     return any(t is not None and is_wrapped(t) for t in tensors)
 
 
+def needs_grad(*tensors) -> bool:
+    """Whether autograd must flow through a call on ``tensors`` (then ``auto`` takes the reference)."""
+    return (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) or traced(*tensors)
+
+
 def _same_device(*tensors) -> None:
     devs = {t.device for t in tensors if t is not None}
     if len(devs) > 1:
@@ -265,9 +270,7 @@ def prefill(
             raise ValueError("a paged layer needs its block table")
         check_block_table(block_table, kv_len, layer.num_pages, B, values=validate)
     _check_out(out, (tuple(q_lat.shape[:3]) + (d_c,), tuple(q_lat.shape[:3])))
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_lat, q_pe, C, K_P))
-    grad = grad or traced(q_lat, q_pe, C, K_P)
-    if resolve_backend(backend, q_lat.device, grad, C.dtype) == "reference":
+    if resolve_backend(backend, q_lat.device, needs_grad(q_lat, q_pe, C, K_P), C.dtype) == "reference":
         fn = reference.prefill
     else:
         from quantmla.kernels.triton_prefill import prefill as fn
@@ -293,8 +296,7 @@ def attend(q_lat, q_pe, C, K_P, key_valid, spec, tau: float, backend: str = "aut
     if backend == "auto" and traced(q_lat, q_pe, C, K_P):
         backend = "reference"  # under torch.func the pages are written and read by the reference
     if key_valid is None and not spec.quantized:
-        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_lat, q_pe, C, K_P))
-        if resolve_backend(backend, dev, grad or traced(q_lat, q_pe, C, K_P), C.dtype) == "reference":
+        if resolve_backend(backend, dev, needs_grad(q_lat, q_pe, C, K_P), C.dtype) == "reference":
             return reference.dense(q_lat, q_pe, C.contiguous(), K_P.contiguous(), tau)
     if key_valid is None:
         kv_len = torch.full((B,), L, dtype=torch.int64, device=dev)
