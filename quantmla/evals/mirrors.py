@@ -9,8 +9,9 @@ under the cache folder (``$QUANTMLA_CACHE`` or ``~/.cache/quantmla``, never into
   files (GSM8K);
 - ``tasks/``: for every lm-eval task whose ``dataset_path`` has a mirror, a YAML that includes
   lm-eval's own task YAML and overrides only where the data comes from (``dataset_path``, read
-  by :func:`load_mirror`) and the split names; for every lm-eval group whose tasks are all
-  mirrored, a YAML that includes lm-eval's group YAML.
+  by :func:`load_mirror`) and the split names, and builds it as a
+  :class:`~quantmla.evals.rendering.RenderedTask` (lm-eval's task, each prompt render kept); for
+  every lm-eval group whose tasks are all mirrored, a YAML that includes lm-eval's group YAML.
 
 :func:`task_manager` indexes that folder alone, so task names resolve to the mirrors and the
 rest of each task (prompt, few-shot rule, metrics, filters) is lm-eval's. Where a mirror lacks
@@ -39,7 +40,7 @@ from quantmla.data import DataUnavailable, package_dir
 if TYPE_CHECKING:
     import datasets
 
-FORMAT = 2  # bump when the layout written by build() changes
+FORMAT = 3  # bump when the layout written by build() changes
 SPLIT_KEYS = ("training_split", "validation_split", "test_split", "fewshot_split")
 
 
@@ -193,6 +194,7 @@ def _write_dataset(m: Mirror, out: Path) -> dict:
 
 # lm-eval reads a mirrored task's data through this function (its ``custom_dataset``)
 LOADER = "custom_dataset: !function quantmla.evals.mirrors.load_mirror\n"
+TASK_CLASS = "class: !function quantmla.evals.rendering.RenderedTask\n"  # lm-eval's task, renders kept
 
 
 def load_mirror(mirror: str, config: str, **_) -> datasets.DatasetDict:
@@ -279,7 +281,7 @@ def _build(root: Path) -> None:
             if hub not in splits:  # scanned once per dataset, not per task (MMLU has 57 subjects)
                 splits[hub] = MIRRORS[hub].splits()
             over, changes = _task_yaml(e, MIRRORS[hub], splits[hub], root / "data" / _slug(hub))
-            (tmp / "tasks" / f"{name}.yaml").write_text(yaml.safe_dump(over, sort_keys=False) + LOADER)
+            (tmp / "tasks" / f"{name}.yaml").write_text(yaml.safe_dump(over, sort_keys=False) + LOADER + TASK_CLASS)
             manifest["tasks"][name] = {
                 "dataset": hub,
                 "dataset_name": over["dataset_kwargs"]["config"],
