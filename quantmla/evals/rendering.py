@@ -47,7 +47,7 @@ class RenderedTask(ConfigurableTask):
     def _key(self, kind: str, doc, template):
         """(kind, template, document as JSON), or None where no key can be made safely: a prompt
         source, a template that is not a string, or a document that is not plain data."""
-        if getattr(self, "prompt", None) is not None or not (template is None or isinstance(template, str)):
+        if self.prompt is not None or not (template is None or isinstance(template, str)):
             return None
         try:
             return kind, template, json.dumps(doc, sort_keys=True, ensure_ascii=False)
