@@ -10,7 +10,8 @@ it with the runs that differ from it only in ``noise`` and reports the spread of
 - ``backend``: the attention core on the other backend (``reference`` ↔ ``triton``) than the one
   ``backend`` resolves to on the device; k numbers repeats.
 - ``batch``: the evaluation batch size is the (k+1)-th of 1, 2, 3, 4, 6, 8, 12, 16, 24, 32 that
-  differs from the configured one.
+  differs from the configured one; a separate generation batch (``generate_batch_size``) changes in
+  the same proportion (rounded, at least 1).
 - ``order``: the evaluation's items in a random order drawn with seed k (perplexity windows).
 - ``seed``: the calibration banks drawn with ``calibration.seed`` + 1 + k (methods that read data).
 
@@ -52,12 +53,12 @@ def perturb(noise: dict, backend: str, device, ev, calibration, method):
             raise ValueError(f"noise.perturb=batch: eval {name} has no batch size")
         sizes = [s for s in BATCH_SIZES if s != ev.batch_size]
         size = sizes[k % len(sizes)]
-        return (
-            backend,
-            dataclasses.replace(ev, batch_size=size),
-            calibration,
-            f"eval.batch_size {ev.batch_size} -> {size}",
-        )
+        changed, said = {"batch_size": size}, f"eval.batch_size {ev.batch_size} -> {size}"
+        generate = getattr(ev, "generate_batch_size", None)
+        if generate is not None and isinstance(ev.batch_size, int):
+            changed["generate_batch_size"] = max(1, round(generate * size / ev.batch_size))
+            said += f", eval.generate_batch_size {generate} -> {changed['generate_batch_size']}"
+        return backend, dataclasses.replace(ev, **changed), calibration, said
     if kind == "order":
         if not hasattr(ev, "order_seed"):
             raise ValueError(

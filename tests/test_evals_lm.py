@@ -105,6 +105,31 @@ def test_generation_uses_the_harness_cache_and_matches_stepwise_decoding():
     assert out == reference
 
 
+def test_generation_runs_in_its_own_batch_size_and_answers_as_one_at_a_time():
+    """``generate_batch_size`` sets the batches ``generate_until`` hands the model (lm-eval's ordering,
+    longest first) and leaves scoring's batch size as it was; every answer equals the one decoded alone."""
+    model, tok = build()
+    attention.install(model, CacheSpec.parse("c4r4"))
+    prompts = [TEXT[: 40 * (i + 1)] for i in range(5)]
+    reqs = [Instance("generate_until", {}, (p, {"until": [], "max_gen_toks": 6}), i) for i, p in enumerate(prompts)]
+
+    def answers(lm):
+        shapes = []
+        call = lm._model_generate
+        lm._model_generate = lambda context, *a, **k: shapes.append(context.shape[0]) or call(context, *a, **k)
+        return lm.generate_until(reqs), shapes
+
+    alone, alone_shapes = answers(QuantMLALM(model, tok, batch_size=1))
+    lm = QuantMLALM(model, tok, batch_size=1, generate_batch_size=3)
+    batched, shapes = answers(lm)
+    assert alone_shapes == [1] * 5 and shapes == [3, 2]
+    assert batched == alone and all(alone)
+    assert lm.batch_size == 1  # scoring's batch is back
+    for bad in (0, "x", True, -2):
+        with pytest.raises(ValueError, match="generate_batch_size must be a positive integer"):
+            QuantMLALM(model, tok, generate_batch_size=bad)
+
+
 def test_rejects_models_the_harness_did_not_prepare():
     model, tok = build()
     with pytest.raises(ValueError, match="LatentAttention"):

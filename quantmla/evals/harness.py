@@ -68,6 +68,7 @@ class LMEval(Eval):
     limit: float | None = None  # items per task (lm-eval's limit; < 1 = fraction); None = all
     batch_size: int | str = 8  # or auto / auto:N (lm-eval finds the largest that fits, N times per run)
     max_batch_size: int = 64  # the largest batch that batch_size=auto tries
+    generate_batch_size: int | None = None  # generation requests' batch; None = batch_size
     data: str = "mirror"  # mirror | hub
     max_length: int | None = None  # context for lm-eval's truncation; None = the model's
     gen_kwargs: dict | None = None  # e.g. {max_gen_toks: 2000, do_sample: false, temperature: 0}
@@ -108,6 +109,14 @@ class LMEval(Eval):
             raise ValueError(f"lm_eval batch_size must be a positive integer, auto or auto:N, got {self.batch_size!r}")
         if self.max_batch_size < 1:
             raise ValueError(f"lm_eval max_batch_size must be positive, got {self.max_batch_size}")
+        if self.generate_batch_size is not None and (
+            isinstance(self.generate_batch_size, bool)
+            or not isinstance(self.generate_batch_size, int)
+            or self.generate_batch_size < 1
+        ):
+            raise ValueError(
+                f"lm_eval generate_batch_size must be a positive integer or null, got {self.generate_batch_size!r}"
+            )
         if self.limit is not None and self.limit <= 0:
             raise ValueError(f"lm_eval limit must be positive or null, got {self.limit}")
         if self.suite not in (None, *averages.SUITES):
@@ -175,6 +184,7 @@ class LMEval(Eval):
             tokenizer,
             batch_size=self.batch_size,
             max_batch_size=self.max_batch_size,
+            generate_batch_size=self.generate_batch_size,
             max_length=self.max_length or ctx.max_positions,
             enable_thinking=self.enable_thinking,
         )
