@@ -51,6 +51,7 @@ ADDED_DEFAULTS = {
     "model.offload_folder": None,
     "noise": {"perturb": "none", "seed": 0},
     "method.matmul_precision": "highest",
+    "eval.generate_batch_size": None,
 }
 """Keys (dotted for nested ones) added after runs were first recorded, with the value every earlier run
 had: left out of the id at that value, so those runs keep their ids (and are not run again)."""

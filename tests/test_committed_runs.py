@@ -71,3 +71,20 @@ def test_paper_tables_figures_and_claims_regenerate_from_the_committed_records(p
             assert made[name].read_text() == p.read_text(), name
         else:
             assert made[name].stat().st_size > 1000, name
+
+
+@pytest.mark.parametrize("row", ["bf16", "rtn"])
+def test_the_experiment_file_still_names_its_committed_runs(row, tmp_path):
+    """A key added to a config group since the runs were recorded keeps their ids (tracking.ADDED_DEFAULTS):
+    the Table 3 row composed today is the committed record, so it is reused, not run again."""
+    from hydra import compose, initialize_config_dir
+
+    from quantmla.run import conf_dir, plan
+    from quantmla.tracking import run_id
+
+    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
+        cfg = compose(
+            "run", overrides=["experiment=table3_ablation", "model=smollm2_mla", f"+row={row}", f"runs_dir={tmp_path}"]
+        )
+    rid = run_id(plan(cfg).record)
+    assert (RUNS / "smollm2_mla" / "table3_ablation" / rid / "metrics.json").exists(), rid
