@@ -240,12 +240,12 @@ class GenerationBatch:
     about the same for 32 sequences as for 8 (GSM8K's first 128 items, 5-shot, on an H100: 52 s of
     generation at batch 32, 168 s at 8), so generation wants a larger one."""
 
-    def __init__(self, *args, generate_batch_size: int | str | None = None, **kwargs):
-        if generate_batch_size is not None:
-            text = str(generate_batch_size)
-            if isinstance(generate_batch_size, bool) or not text.isdigit() or int(text) < 1:
-                raise ValueError(f"generate_batch_size must be a positive integer, got {generate_batch_size!r}")
-            generate_batch_size = int(text)
+    def __init__(self, *args, generate_batch_size: int | None = None, **kwargs):
+        # lm-eval's --model_args parser already turns "128" into 128
+        if generate_batch_size is not None and (
+            isinstance(generate_batch_size, bool) or not isinstance(generate_batch_size, int) or generate_batch_size < 1
+        ):
+            raise ValueError(f"generate_batch_size must be a positive integer, got {generate_batch_size!r}")
         super().__init__(*args, **kwargs)
         self.generate_batch_size = generate_batch_size
 
