@@ -15,7 +15,7 @@ from lm_eval.models.huggingface import HFLM  # noqa: E402
 
 from quantmla import attention  # noqa: E402
 from quantmla.cache import CacheSpec  # noqa: E402
-from quantmla.evals.lm import QuantMLALM  # noqa: E402
+from quantmla.evals.lm import QuantMLALM, language_model  # noqa: E402
 from quantmla.models.tiny import build  # noqa: E402
 
 TEXT = (
@@ -128,6 +128,33 @@ def test_generation_runs_in_its_own_batch_size_and_answers_as_one_at_a_time():
     for bad in (0, "x", True, -2):
         with pytest.raises(ValueError, match="generate_batch_size must be a positive integer"):
             QuantMLALM(model, tok, generate_batch_size=bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("harness", [True, False], ids=["quantmla", "native"])
+def test_scoring_returns_the_memory_of_a_longer_batch_once_batches_shrink(harness):
+    """lm-eval scores the longest requests first. After a long batch, one of half its size or less
+    gives back what the long one left in PyTorch's cache, for other processes on the GPU: both
+    lm-eval classes of the harness."""
+    model, tok = build()
+    model.to("cuda")
+    if harness:
+        attention.install(model, CacheSpec.parse("c4r4"))
+    lm = language_model(model, tok, batch_size=32)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved()
+    long = torch.randint(0, 200, (32, 2048), device="cuda")
+    out = lm._model_call(long)
+    del out
+    peak = torch.cuda.memory_reserved()
+    assert peak - base > 16 * 2**20  # the long batch's logits and activations stay cached
+    lm._model_call(long[:, :1536])  # more than half: the cache is kept for reuse
+    assert torch.cuda.memory_reserved() >= peak
+    lm._model_call(long[:, :64])
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_reserved() - base < (peak - base) / 4
 
 
 def test_rejects_models_the_harness_did_not_prepare():

@@ -259,13 +259,38 @@ class GenerationBatch:
             self.batch_size_per_gpu = scoring
 
 
-class CachedHFLM(ResponseCache, Progress, BatchedTokenizer, GenerationBatch, HFLM):
+class ReleasesMemory:
+    """Mixin for an lm-eval model class: GPU memory goes back as scoring batches shrink.
+
+    lm-eval scores the longest requests first, so a task's first batch makes the largest tensors of
+    the run: the [batch, length, vocabulary] logits and their log-softmax, with the previous batch's
+    still held while the next is computed (three of them; 5-shot MMLU's longest, about 3,500 tokens
+    at batch 32 on a 49K vocabulary, is some 11 GB each). PyTorch keeps freed memory for reuse, so a
+    process would hold that peak to the end, where no other process on the GPU can use it. When a
+    batch is half the size of the largest since the last release or less, the cached memory not in
+    use is returned (``torch.cuda.empty_cache``): a handful of times per task, as lengths fall."""
+
+    _largest_call = 0
+
+    def _release_if_shrunk(self, inps: torch.Tensor) -> None:
+        n = inps.numel()
+        if inps.is_cuda and 2 * n <= self._largest_call:
+            torch.cuda.empty_cache()
+            self._largest_call = 0
+        self._largest_call = max(self._largest_call, n)
+
+    def _model_call(self, inps, attn_mask=None, labels=None):
+        self._release_if_shrunk(inps)
+        return super()._model_call(inps, attn_mask, labels)
+
+
+class CachedHFLM(ReleasesMemory, ResponseCache, Progress, BatchedTokenizer, GenerationBatch, HFLM):
     """lm-eval's ``HFLM`` with the run's response cache (:mod:`quantmla.evals.responses`), progress,
-    batched tokenization and its own generation batch size."""
+    batched tokenization, its own generation batch size and memory returned as batches shrink."""
 
 
 @register_model("quantmla")
-class QuantMLALM(ResponseCache, Progress, BatchedTokenizer, GenerationBatch, HFLM):
+class QuantMLALM(ReleasesMemory, ResponseCache, Progress, BatchedTokenizer, GenerationBatch, HFLM):
     def __init__(
         self,
         pretrained,
@@ -291,6 +316,7 @@ class QuantMLALM(ResponseCache, Progress, BatchedTokenizer, GenerationBatch, HFL
     def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
         # Teacher-forced scoring: no generation cache, the installed attention quantizes the
         # latent of every position and protects per query (decode-faithful rule).
+        self._release_if_shrunk(inps)
         with torch.no_grad():
             logits = self.model(inps, use_cache=False).logits
         return logits
