@@ -9,11 +9,21 @@ percentile |activation| over the train bank (content: channels of u; RoPE: post-
 channels of a pair pooled). α is searched over ``alphas`` (the paper's grid, all of
 {0.125, 0.25, 0.5, 0.75, 1}, no 0), one per path per model, each path with the other exact,
 both by held-out normalized attention-output MSE; ties go to the smaller α.
+
+The chosen α of each path is stored under ``MethodContext.cache_dir/smoothquant/<key>/alpha.json``,
+keyed by what it was computed from (the config, the bits and group, the calibration, the model's
+and the banks' fingerprints): the protected and unprotected runs of a format, and a relaunched run,
+search once. A file that does not hold an α of the grid for every path is set aside and searched again.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from quantmla.calibration import (
     Teacher,
@@ -22,8 +32,11 @@ from quantmla.calibration import (
     check_pairing,
     content_loss,
     heldout_mean,
+    model_fingerprint,
     rope_loss,
+    tensor_digest,
 )
+from quantmla.files import one_writer, reason, set_aside, write_atomic
 from quantmla.registry import Method, MethodConfig, MethodContext, register
 from quantmla.transforms import (
     LayerTransform,
@@ -33,6 +46,9 @@ from quantmla.transforms import (
     rope_key_maps,
     to_state,
 )
+
+log = logging.getLogger("quantmla")
+FORMAT_VERSION = 1
 
 
 @dataclass
@@ -83,15 +99,23 @@ class SmoothQuant(Method):
                 out["P", al] = rope_loss(lb, spec.rope_bits, M, M_inv, objective="output", group=g)
             return out
 
-        teacher = Teacher(model, heldout, cal.batch_size)
-        means = heldout_mean(teacher, losses, desc="SmoothQuant† α search", progress=ctx.progress)
-        best = {}
-        for path in ("C", "P"):
-            scores = [(means[path, al], al) for al in alphas if (path, al) in means]
-            if scores:
-                best[path] = min(scores, key=lambda t: (t[0], t[1]))[1]
-                self.info[f"alpha_{path}"] = best[path]
-                self.info[f"heldout_nmse_{path}"] = means[path, best[path]]
+        paths = [p for p, on in (("C", do_C), ("P", do_P)) if on]
+        folder = Path(ctx.cache_dir) / "smoothquant" / self._key(model, ctx, train, heldout)
+        with one_writer(folder, f"SmoothQuant† α {folder.name}"):
+            found = _stored(folder / "alpha.json", paths, alphas)
+            if found is None:
+                teacher = Teacher(model, heldout, cal.batch_size)
+                means = heldout_mean(teacher, losses, desc="SmoothQuant† α search", progress=ctx.progress)
+                found = {}
+                for path in paths:
+                    al = min(((means[path, a], a) for a in alphas), key=lambda t: (t[0], t[1]))[1]
+                    found |= {f"alpha_{path}": al, f"heldout_nmse_{path}": means[path, al]}
+                write_atomic(folder / "alpha.json", json.dumps(found, indent=1))
+            else:
+                self.info["cached"] = 1
+                log.info("SmoothQuant† α: reusing %s", folder)
+        self.info |= found
+        best = {p: found[f"alpha_{p}"] for p in paths}
         transforms = [
             LayerTransform(
                 s_C=logs_C[best["C"]][i].exp() if do_C else None,
@@ -101,6 +125,35 @@ class SmoothQuant(Method):
         ]
         return to_state(transforms)
 
+    def _key(self, model, ctx: MethodContext, train, heldout) -> str:
+        spec = ctx.spec
+        blob = {
+            "format": FORMAT_VERSION,
+            "method": self.config.to_dict(),
+            "bits": [spec.content_bits, spec.rope_bits],
+            "group": spec.group,
+            "calibration": ctx.calibration.to_dict(),
+            "model": model_fingerprint(model, ctx.model_name),
+            "data": tensor_digest(train, heldout),
+        }
+        return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:24]
+
     def fuse(self, model, adapters, transforms: dict, ctx: MethodContext) -> None:
         for mla, t in zip(adapters, from_state(transforms, len(adapters))):
             fuse(mla, t)
+
+
+def _stored(f: Path, paths: list[str], alphas: list[float]) -> dict | None:
+    """The α choice stored in ``f``: an α of the grid and a finite held-out NMSE for every path; None
+    if there is none (one that is not is set aside)."""
+    if not f.exists():
+        return None
+    try:
+        found = json.loads(f.read_text())
+        for p in paths:
+            if found[f"alpha_{p}"] not in alphas or not math.isfinite(found[f"heldout_nmse_{p}"]):
+                raise ValueError(f"no α of the grid {alphas} and finite held-out NMSE for path {p}")
+    except (ValueError, KeyError, TypeError) as e:
+        set_aside(f, reason(e))
+        return None
+    return found

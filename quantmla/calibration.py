@@ -17,6 +17,7 @@ Objectives, per sample (one window) and layer, averaged by the caller:
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -381,3 +382,24 @@ def transform_objectives(
 
     need_y = content_objective == "output" or rope_objective == "output"
     return heldout_mean(Teacher(model, ids, batch_size, need_y), fn, desc="objectives", progress=progress)
+
+
+# -- keys of stored calibration results: what a result was computed from ---------------------------------
+def model_fingerprint(model, name: str = "") -> str:
+    """Hash of the model's class, config and every parameter (shape, dtype, edge values and sum)."""
+    h = hashlib.sha256(f"{name}|{type(model).__name__}|{model.config.to_json_string()}".encode())
+    with torch.no_grad():
+        for pname, p in placement.named_parameters(model):
+            t = p.detach().flatten()
+            edges = torch.cat([t[:32], t[-32:]]).float().cpu()
+            h.update(f"{pname}|{tuple(p.shape)}|{p.dtype}|{float(t.sum(dtype=torch.float64)):.6e}".encode())
+            h.update(edges.numpy().tobytes())
+    return h.hexdigest()
+
+
+def tensor_digest(*ts: torch.Tensor) -> str:
+    """Hash of the tensors' contents (a calibration's token banks)."""
+    h = hashlib.sha256()
+    for t in ts:
+        h.update(t.contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()

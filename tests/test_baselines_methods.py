@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import json
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,10 +26,14 @@ from quantmla.run import ConfigError, validate_argv
 BASELINES = [RTNConfig, SmoothQuantConfig, QuaRotConfig]
 
 
-def _apply(model, tok, cfg, bits="c4r4", calibration=None):
+def _apply(model, tok, cfg, bits="c4r4", calibration=None, cache_dir=None):
     m = methods.get(cfg)
     ctx = MethodContext(
-        spec=CacheSpec.parse(bits), tokenizer=tok, calibration=calibration or small_calibration(), progress=False
+        spec=CacheSpec.parse(bits),
+        tokenizer=tok,
+        calibration=calibration or small_calibration(),
+        progress=False,
+        cache_dir=cache_dir or Path(tempfile.mkdtemp(prefix="quantmla-transforms-")),
     )
     return m, m.apply(model, mla.adapters(model), ctx)
 
@@ -142,6 +149,35 @@ def test_smoothquant_records_its_alpha_choice():
     assert m.info["alpha_C"] in (0.25, 1.0) and m.info["alpha_P"] in (0.25, 1.0)
     assert set(state) == {f"{i}.{k}" for i in range(2) for k in ("s_C", "s_P")}
     assert torch.log(state["0.s_C"]).abs().max() <= 2.0 + 1e-6  # log-scales clipped at ±2
+
+
+def test_smoothquant_stores_its_alpha_choice_and_reuses_it(tmp_path):
+    """The protected and unprotected runs of a format (and a relaunched run) search α once: the second
+    calibration reads the stored choice and fuses the same scales; another calibration seed or format
+    is another entry; a stored choice outside the grid is set aside and searched again."""
+    model, tok, _ = planted_outliers()
+    cal = small_calibration(seq_len=64, train=4, heldout=4)
+    cfg = SmoothQuantConfig(alphas=[0.25, 1.0])
+    first, state = _apply(copy.deepcopy(model), tok, cfg, calibration=cal, cache_dir=tmp_path)
+    assert "cached" not in first.info
+    (entry,) = (tmp_path / "smoothquant").iterdir()
+    stored = json.loads((entry / "alpha.json").read_text())
+    assert stored == {k: first.info[k] for k in ("alpha_C", "heldout_nmse_C", "alpha_P", "heldout_nmse_P")}
+
+    again, state2 = _apply(copy.deepcopy(model), tok, cfg, calibration=cal, cache_dir=tmp_path)
+    assert again.info == first.info | {"cached": 1}
+    assert state2.keys() == state.keys() and all(torch.equal(state[k], state2[k]) for k in state)
+
+    _apply(copy.deepcopy(model), tok, cfg, calibration=small_calibration(seq_len=64, train=4, heldout=4, seed=1),
+           cache_dir=tmp_path)  # fmt: skip
+    _apply(copy.deepcopy(model), tok, cfg, bits="c2r4", calibration=cal, cache_dir=tmp_path)
+    assert len(list((tmp_path / "smoothquant").iterdir())) == 3
+
+    (entry / "alpha.json").write_text(json.dumps(stored | {"alpha_C": 0.5}))  # not on the grid
+    redo, state3 = _apply(copy.deepcopy(model), tok, cfg, calibration=cal, cache_dir=tmp_path)
+    assert "cached" not in redo.info and redo.info == first.info
+    assert all(torch.equal(state[k], state3[k]) for k in state)
+    assert len(list(entry.glob("alpha.json.corrupt-*"))) == 1
 
 
 # ----- bad input, each a clear one-line error before calibration -------------------------------

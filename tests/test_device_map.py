@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_dir
 from quantmla import placement
 from quantmla.attention import install, latent_layers, new_cache
 from quantmla.cache import CacheSpec
-from quantmla.methods.quantmla import model_fingerprint
+from quantmla.calibration import model_fingerprint
 from quantmla.mla import adapters
 from quantmla.models.tiny import build, tiny_config
 from quantmla.placement import Placement

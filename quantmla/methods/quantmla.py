@@ -55,7 +55,9 @@ from quantmla.calibration import (
     content_loss,
     heldout_mean,
     matmul_precision,
+    model_fingerprint,
     rope_loss,
+    tensor_digest,
 )
 from quantmla.files import first_writer, reason, remove_stale_temps, replacing, set_aside, write_atomic
 from quantmla.optim import Schedule, train_path
@@ -255,25 +257,6 @@ def _mean(per_layer: list[torch.Tensor]) -> torch.Tensor:
 
 
 # ----- caching ---------------------------------------------------------------------------------
-def model_fingerprint(model, name: str = "") -> str:
-    """Hash of the model's class, config and every parameter (shape, dtype, edge values and sum)."""
-    h = hashlib.sha256(f"{name}|{type(model).__name__}|{model.config.to_json_string()}".encode())
-    with torch.no_grad():
-        for pname, p in placement.named_parameters(model):
-            t = p.detach().flatten()
-            edges = torch.cat([t[:32], t[-32:]]).float().cpu()
-            h.update(f"{pname}|{tuple(p.shape)}|{p.dtype}|{float(t.sum(dtype=torch.float64)):.6e}".encode())
-            h.update(edges.numpy().tobytes())
-    return h.hexdigest()
-
-
-def _tensor_digest(*ts: torch.Tensor) -> str:
-    h = hashlib.sha256()
-    for t in ts:
-        h.update(t.contiguous().cpu().numpy().tobytes())
-    return h.hexdigest()
-
-
 @register(QuantMLAConfig)
 class QuantMLA(Method):
     needs_data = True
@@ -360,7 +343,7 @@ class QuantMLA(Method):
         if "P" in todo:
             check_pairing(model)
         train, heldout = cal.banks(ctx.tokenizer)  # missing or too-short data stops here, before any statistics
-        model_fp, data_fp = model_fingerprint(model, ctx.model_name), _tensor_digest(train, heldout)
+        model_fp, data_fp = model_fingerprint(model, ctx.model_name), tensor_digest(train, heldout)
         folders, results = {}, {}
         for p, bits in todo.items():
             key = self._key(p, bits, model_fp, data_fp, ctx)
