@@ -18,7 +18,6 @@ search once. A file that does not hold an α of the grid for every path is set a
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -31,6 +30,7 @@ from quantmla.calibration import (
     alpha_log_scales,
     check_pairing,
     content_loss,
+    entry_key,
     heldout_mean,
     model_fingerprint,
     rope_loss,
@@ -136,7 +136,7 @@ class SmoothQuant(Method):
             "model": model_fingerprint(model, ctx.model_name),
             "data": tensor_digest(train, heldout),
         }
-        return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:24]
+        return entry_key(blob)
 
     def fuse(self, model, adapters, transforms: dict, ctx: MethodContext) -> None:
         for mla, t in zip(adapters, from_state(transforms, len(adapters))):

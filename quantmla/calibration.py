@@ -18,6 +18,7 @@ Objectives, per sample (one window) and layer, averaged by the caller:
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -403,3 +404,8 @@ def tensor_digest(*ts: torch.Tensor) -> str:
     for t in ts:
         h.update(t.contiguous().cpu().numpy().tobytes())
     return h.hexdigest()
+
+
+def entry_key(blob: dict) -> str:
+    """The key of a stored result: a short hash of everything it was computed from (JSON-able)."""
+    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:24]

@@ -32,7 +32,6 @@ paths train; at ``highest``, the default, every product is IEEE float32.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from collections.abc import Callable
@@ -53,6 +52,7 @@ from quantmla.calibration import (
     alpha_log_scales,
     check_pairing,
     content_loss,
+    entry_key,
     heldout_mean,
     matmul_precision,
     model_fingerprint,
@@ -289,7 +289,7 @@ class QuantMLA(Method):
             "model": model_fp,
             "data": data_fp,
         }
-        return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:24]
+        return entry_key(blob)
 
     def _load(self, folder: Path, key: str, shapes: dict[str, tuple], layers: int) -> list[dict] | None:
         """The stored result of entry ``key`` (None if there is none); a damaged one is set aside."""
