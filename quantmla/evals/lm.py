@@ -268,7 +268,8 @@ class ReleasesMemory:
     at batch 32 on a 49K vocabulary, is some 11 GB each). PyTorch keeps freed memory for reuse, so a
     process would hold that peak to the end, where no other process on the GPU can use it. When a
     batch is half the size of the largest since the last release or less, the cached memory not in
-    use is returned (``torch.cuda.empty_cache``): a handful of times per task, as lengths fall."""
+    use is returned (``torch.cuda.empty_cache``): a handful of times per task, as lengths fall.
+    Each class's ``_model_call`` calls :meth:`_release_if_shrunk` first."""
 
     _largest_call = 0
 
@@ -279,14 +280,14 @@ class ReleasesMemory:
             self._largest_call = 0
         self._largest_call = max(self._largest_call, n)
 
-    def _model_call(self, inps, attn_mask=None, labels=None):
-        self._release_if_shrunk(inps)
-        return super()._model_call(inps, attn_mask, labels)
-
 
 class CachedHFLM(ReleasesMemory, ResponseCache, Progress, BatchedTokenizer, GenerationBatch, HFLM):
     """lm-eval's ``HFLM`` with the run's response cache (:mod:`quantmla.evals.responses`), progress,
     batched tokenization, its own generation batch size and memory returned as batches shrink."""
+
+    def _model_call(self, inps, attn_mask=None, labels=None):
+        self._release_if_shrunk(inps)
+        return super()._model_call(inps, attn_mask, labels)
 
 
 @register_model("quantmla")
