@@ -129,6 +129,24 @@ def test_generation_runs_in_its_own_batch_size_and_answers_as_one_at_a_time():
         with pytest.raises(ValueError, match="generate_batch_size must be a positive integer"):
             QuantMLALM(model, tok, generate_batch_size=bad)
 
+    # a batch the GPU has no memory for (another run's peak on a shared GPU) is generated in halves,
+    # each with its own cache, and every answer stays the one decoded alone
+    sizes = []
+    generate = HFLM._model_generate
+
+    def tight(self, context, *a, **k):
+        sizes.append(context.shape[0])
+        if context.shape[0] > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        assert k[attention.cache_keyword()].batch_hint == 1
+        return generate(self, context, *a, **k)
+
+    lm = QuantMLALM(model, tok, batch_size=1, generate_batch_size=3)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(HFLM, "_model_generate", tight)
+        assert lm.generate_until(reqs) == alone
+    assert sizes == [3, 1, 2, 1, 1, 2, 1, 1]
+
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -100,6 +100,33 @@ def test_greedy_flag_and_sum_are_per_answer():
     assert ll_g > ll_o
 
 
+def test_a_batch_out_of_gpu_memory_is_scored_in_halves(caplog):
+    """A forward that runs out of memory (another run's peak on a shared GPU) is retried as two
+    halves, down to one row, with the answers of a smaller batch; a single row out of memory still fails."""
+    model, tok = build()
+    attention.install(model, CacheSpec.parse("c4r4"))
+    lm = language_model(model, tok, batch_size=8, max_length=512)
+    want = _answers(lm)
+    rows = []
+    call = lm._model_call
+
+    def tight(inps, *a, **k):
+        rows.append(inps.shape[0])
+        if inps.shape[0] > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return call(inps, *a, **k)
+
+    lm._model_call = tight
+    with caplog.at_level("WARNING", logger="quantmla"):
+        got = _answers(lm)
+    _same(got, want, torch.float32)  # as at a smaller batch size: the padding differs
+    assert rows[0] > 2 and sum(r for r in rows if r <= 2) == len(PAIRS) - 3  # every row scored once
+    assert any("out of GPU memory scoring" in m for m in caplog.messages)
+    lm._model_call = lambda inps, *a, **k: (_ for _ in ()).throw(torch.OutOfMemoryError("injected"))
+    with pytest.raises(torch.OutOfMemoryError):
+        _answers(lm)
+
+
 def test_batched_scoring_takes_only_true_or_false():
     model, tok = build()
     attention.install(model, CacheSpec.parse("c4r4"))

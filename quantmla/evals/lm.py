@@ -236,10 +236,10 @@ def encode_batch(tokenizer, strings: list[str], **kwargs) -> list:
 
 class GenerationBatch:
     """Mixin for an lm-eval model class: generation requests in batches of ``generate_batch_size``
-    (None: lm-eval's ``batch_size``, as lm-eval does). Scoring's memory is its
-    [batch, length, vocabulary] logits, so its batch stays small; a decode step of a small model costs
-    about the same for 32 sequences as for 8 (GSM8K's first 128 items, 5-shot, on an H100: 52 s of
-    generation at batch 32, 168 s at 8), so generation wants a larger one."""
+    (None: lm-eval's ``batch_size``, as lm-eval does), halved where the GPU runs out of memory.
+    Scoring's memory is its [batch, length, vocabulary] logits, so its batch stays small; a decode
+    step of a small model costs about the same for 32 sequences as for 8 (GSM8K's first 128 items,
+    5-shot, on an H100: 52 s of generation at batch 32, 168 s at 8), so generation wants a larger one."""
 
     def __init__(self, *args, generate_batch_size: int | None = None, **kwargs):
         # lm-eval's --model_args parser already turns "128" into 128
@@ -258,6 +258,37 @@ class GenerationBatch:
             return super().generate_until(requests, *args, **kwargs)
         finally:
             self.batch_size_per_gpu = scoring
+
+    def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str], **kwargs) -> torch.Tensor:
+        """lm-eval's batch of generation; one the GPU has no memory for is generated in two halves
+        (GPUs shared by several runs), each sequence as it would have been in the whole batch (greedy
+        decoding of a sequence does not depend on the others; the shorter half's output is padded
+        as ``generate`` pads a sequence that stopped early)."""
+        try:
+            return self._generate(context, max_length, stop, **kwargs)
+        except torch.OutOfMemoryError:
+            if context.shape[0] == 1:
+                raise
+        torch.cuda.empty_cache()  # outside the handler: the failed attempt's tensors are freed
+        B, half = context.shape[0], context.shape[0] // 2
+        log.warning(
+            "out of GPU memory generating for %d prompts of %d tokens: as %d and %d",
+            B,
+            context.shape[1],
+            half,
+            B - half,
+        )
+        parts = []
+        for rows in (slice(0, half), slice(half, B)):
+            part = {k: v[rows] if isinstance(v, torch.Tensor) and v.shape[:1] == (B,) else v for k, v in kwargs.items()}
+            parts.append(self._model_generate(context[rows], max_length, stop, **part))
+        width = max(p.shape[1] for p in parts)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=pad) for p in parts])
+
+    def _generate(self, context: torch.Tensor, max_length: int, stop: list[str], **kwargs) -> torch.Tensor:
+        """One batch of ``model.generate``, as lm-eval runs it; a model class adds what a batch needs."""
+        return super()._model_generate(context, max_length, stop, **kwargs)
 
 
 class ReleasesMemory:
@@ -324,10 +355,10 @@ class QuantMLALM(ReleasesMemory, ResponseCache, Progress, BatchedTokenizer, Batc
             logits = self.model(inps, use_cache=False).logits
         return logits
 
-    def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs):
+    def _generate(self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs):
         cache = attention.new_cache(self.model, batch_size=context.shape[0], max_length=max_length)
         generation_kwargs[attention.cache_keyword()] = cache
-        return super()._model_generate(context, max_length, stop, **generation_kwargs)
+        return super()._generate(context, max_length, stop, **generation_kwargs)
 
 
 def language_model(model, tokenizer, batch_size: int | str = 1, max_length: int | None = None, **kwargs) -> HFLM:

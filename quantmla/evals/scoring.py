@@ -102,14 +102,42 @@ class BatchedScoring:
     def _score_batch(self, chunk, order) -> list[tuple]:
         """[(cache key, (log-likelihood, greedy))] of a batch's requests and of those sharing their rows."""
         inputs = [self._inputs(context, continuation) for _, context, continuation in chunk]
+        # each row's answers: its own request's and those of the requests that share the row
+        shared = [
+            [(k, cont) for k, cont, _ in order.get_cache(req_str=key, cxt_toks=ctx, cont_toks=cont, logits=_NO_LOGITS)]
+            for key, ctx, cont in chunk
+        ]
+        return self._score_rows(inputs, shared)
+
+    def _score_rows(self, inputs: list[list[int]], shared: list[list]) -> list[tuple]:
+        """The answers of ``inputs``; a batch the GPU has no memory for is scored in two halves (GPUs
+        shared by several runs: another run's peak may come at the same moment)."""
+        try:
+            return self._answers(inputs, shared)
+        except torch.OutOfMemoryError:
+            if len(inputs) == 1:
+                raise
+        # outside the handler, so that the failed attempt's tensors are already freed
+        torch.cuda.empty_cache()
+        half = len(inputs) // 2
+        log.warning(
+            "out of GPU memory scoring %d rows of up to %d tokens: scoring them as %d and %d",
+            len(inputs),
+            max(map(len, inputs)),
+            half,
+            len(inputs) - half,
+        )
+        return self._score_rows(inputs[:half], shared[:half]) + self._score_rows(inputs[half:], shared[half:])
+
+    def _answers(self, inputs: list[list[int]], shared: list[list]) -> list[tuple]:
         batch = torch.zeros(len(inputs), max(map(len, inputs)), dtype=torch.long)
         for i, x in enumerate(inputs):
             batch[i, : len(x)] = torch.tensor(x)
         logits = self._model_call(batch.to(self.device))  # [batch, length, vocabulary]
 
         keys, conts, rows, positions, tokens = [], [], [], [], []
-        for i, ((key, context, continuation), x) in enumerate(zip(chunk, inputs, strict=True)):
-            for k, cont, _ in order.get_cache(req_str=key, cxt_toks=context, cont_toks=continuation, logits=_NO_LOGITS):
+        for i, (x, answers) in enumerate(zip(inputs, shared, strict=True)):
+            for k, cont in answers:
                 keys.append(k)
                 conts.append(len(cont))
                 rows += [i] * len(cont)
