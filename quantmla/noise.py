@@ -10,8 +10,9 @@ it with the runs that differ from it only in ``noise`` and reports the spread of
 - ``backend``: the attention core on the other backend (``reference`` ↔ ``triton``) than the one
   ``backend`` resolves to on the device; k numbers repeats.
 - ``batch``: the evaluation batch size is the (k+1)-th of 1, 2, 3, 4, 6, 8, 12, 16, 24, 32 that
-  differs from the configured one; a separate generation batch (``generate_batch_size``) changes in
-  the same proportion (rounded, at least 1).
+  differs from the configured one; a separate generation batch (``generate_batch_size``) and a
+  token budget of the scoring batches (``scoring_tokens``) change in the same proportion (rounded, at
+  least 1).
 - ``order``: the evaluation's items in a random order drawn with seed k (perplexity windows).
 - ``seed``: the calibration banks drawn with ``calibration.seed`` + 1 + k (methods that read data).
 
@@ -54,10 +55,11 @@ def perturb(noise: dict, backend: str, device, ev, calibration, method):
         sizes = [s for s in BATCH_SIZES if s != ev.batch_size]
         size = sizes[k % len(sizes)]
         changed, said = {"batch_size": size}, f"eval.batch_size {ev.batch_size} -> {size}"
-        generate = getattr(ev, "generate_batch_size", None)
-        if generate is not None and isinstance(ev.batch_size, int):
-            changed["generate_batch_size"] = max(1, round(generate * size / ev.batch_size))
-            said += f", eval.generate_batch_size {generate} -> {changed['generate_batch_size']}"
+        for key in ("generate_batch_size", "scoring_tokens"):  # sizes beside batch_size, scaled with it
+            was = getattr(ev, key, None)
+            if was is not None and isinstance(ev.batch_size, int):
+                changed[key] = max(1, round(was * size / ev.batch_size))
+                said += f", eval.{key} {was} -> {changed[key]}"
         return backend, dataclasses.replace(ev, **changed), calibration, said
     if kind == "order":
         if not hasattr(ev, "order_seed"):

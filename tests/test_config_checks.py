@@ -53,6 +53,7 @@ def _plan(*overrides):
         (["method=quantmla", "method.warmup=abc"], "method.warmup must be a number, got 'abc'"),
         (["calibration.seq_len=64.5"], "calibration.seq_len must be an integer, got 64.5"),
         (["device=foo"], "device 'foo' is not a device name (auto, cpu, cuda or cuda:N)"),
+        (["eval=suite_a", "eval.scoring_tokens=0"], "lm_eval scoring_tokens must be a positive integer or null, got 0"),
     ],
 )
 def test_refused_before_loading_with_one_line(overrides, expect):

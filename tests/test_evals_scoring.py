@@ -127,11 +127,34 @@ def test_a_batch_out_of_gpu_memory_is_scored_in_halves(caplog):
         _answers(lm)
 
 
-def test_batched_scoring_takes_only_true_or_false():
+def test_batches_by_tokens_take_many_short_requests_and_few_long_ones():
+    """With ``scoring_tokens``, every forward pass holds at most that many tokens (rows x its longest
+    input) or a single row, longest requests first; the answers are those of fixed-size batches."""
+    model, tok = build()
+    attention.install(model, CacheSpec.parse("c4r4"))
+    lm = language_model(model, tok, batch_size=2, max_length=512)
+    want = _answers(lm)
+    budget = 600
+    lm = language_model(model, tok, batch_size=2, max_length=512, scoring_tokens=budget)
+    shapes = []
+    call = lm._model_call
+    lm._model_call = lambda inps, *a, **k: shapes.append(tuple(inps.shape)) or call(inps, *a, **k)
+    _same(_answers(lm), want, torch.float32)
+    assert all(r * n <= budget or r == 1 for r, n in shapes)
+    assert shapes[0] == (1, 512)  # the cut request: one row
+    assert max(r for r, _ in shapes) > 2  # short requests more to a batch than batch_size
+    assert [n for _, n in shapes] == sorted((n for _, n in shapes), reverse=True)
+    assert sum(r for r, _ in shapes) == len(PAIRS) - 3
+
+
+def test_batched_scoring_and_scoring_tokens_are_checked():
     model, tok = build()
     attention.install(model, CacheSpec.parse("c4r4"))
     with pytest.raises(ValueError, match="batched_scoring must be true or false"):
         QuantMLALM(model, tok, batched_scoring="yes")
+    for bad in (0, -5, "1024", True):
+        with pytest.raises(ValueError, match="scoring_tokens must be a positive integer or None"):
+            QuantMLALM(model, tok, scoring_tokens=bad)
 
 
 @pytest.mark.gpu

@@ -71,13 +71,15 @@ def test_a_perturbation_with_nothing_to_vary_is_refused(overrides, expect, tmp_p
 
 
 def test_a_batch_variant_changes_a_separate_generation_batch_in_proportion(tmp_path):
-    """Suite A scores at 32 and generates at 128: the floor's batch variant 8 scores at 24 and
-    generates at 96, and says both."""
+    """Suite A's batch size is 32, it generates at 128 and scores in batches of 32K tokens: the
+    floor's batch variant 8 takes 24, generates at 96, scores in 24K-token batches, and says all three."""
     with initialize_config_dir(str(conf_dir()), version_base="1.3"):
         cfg = compose(
             "run",
             overrides=["model=tiny", f"runs_dir={tmp_path}", "eval=suite_a", "noise.perturb=batch", "noise.seed=8"],
         )
     p = plan(cfg)
-    assert (p.eval.batch_size, p.eval.generate_batch_size) == (24, 96)
-    assert p.noise == "eval.batch_size 32 -> 24, eval.generate_batch_size 128 -> 96"
+    assert (p.eval.batch_size, p.eval.generate_batch_size, p.eval.scoring_tokens) == (24, 96, 24576)
+    assert p.noise == (
+        "eval.batch_size 32 -> 24, eval.generate_batch_size 128 -> 96, eval.scoring_tokens 32768 -> 24576"
+    )

@@ -69,6 +69,7 @@ class LMEval(Eval):
     batch_size: int | str = 8  # or auto / auto:N (lm-eval finds the largest that fits, N times per run)
     max_batch_size: int = 64  # the largest batch that batch_size=auto tries
     generate_batch_size: int | None = None  # generation requests' batch; None = batch_size
+    scoring_tokens: int | None = None  # log-likelihood batches by tokens (rows x longest); None = batch_size rows
     data: str = "mirror"  # mirror | hub
     max_length: int | None = None  # context for lm-eval's truncation; None = the model's
     gen_kwargs: dict | None = None  # e.g. {max_gen_toks: 2000, do_sample: false, temperature: 0}
@@ -117,6 +118,10 @@ class LMEval(Eval):
             raise ValueError(
                 f"lm_eval generate_batch_size must be a positive integer or null, got {self.generate_batch_size!r}"
             )
+        if self.scoring_tokens is not None and (
+            isinstance(self.scoring_tokens, bool) or not isinstance(self.scoring_tokens, int) or self.scoring_tokens < 1
+        ):
+            raise ValueError(f"lm_eval scoring_tokens must be a positive integer or null, got {self.scoring_tokens!r}")
         if self.limit is not None and self.limit <= 0:
             raise ValueError(f"lm_eval limit must be positive or null, got {self.limit}")
         if self.suite not in (None, *averages.SUITES):
@@ -185,6 +190,7 @@ class LMEval(Eval):
             batch_size=self.batch_size,
             max_batch_size=self.max_batch_size,
             generate_batch_size=self.generate_batch_size,
+            scoring_tokens=self.scoring_tokens,
             max_length=self.max_length or ctx.max_positions,
             enable_thinking=self.enable_thinking,
         )

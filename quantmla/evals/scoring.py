@@ -49,13 +49,23 @@ def _shared_row(req):
 class BatchedScoring:
     """Mixin for an lm-eval model class (before ``HFLM``): log-likelihood batches answered with one
     read-back each (module docstring). ``batched_scoring=False`` uses lm-eval's own loop, for
-    comparison; so does a seq2seq model."""
+    comparison; so does a seq2seq model.
 
-    def __init__(self, *args, batched_scoring: bool = True, **kwargs):
+    ``scoring_tokens`` sizes batches by tokens instead of rows: each batch takes as many requests as
+    fit that many tokens (rows × its longest input; at least one row), so short requests go many to a
+    forward pass and long ones few. The memory of a pass is about rows × length × vocabulary, and
+    for a small model most of its time is host work whatever its size: a fixed row count is either
+    slow on short requests or too large on long ones. None: ``batch_size`` rows, as lm-eval."""
+
+    def __init__(self, *args, batched_scoring: bool = True, scoring_tokens: int | None = None, **kwargs):
         if not isinstance(batched_scoring, bool):
             raise ValueError(f"batched_scoring must be true or false, got {batched_scoring!r}")
+        if scoring_tokens is not None and (
+            isinstance(scoring_tokens, bool) or not isinstance(scoring_tokens, int) or scoring_tokens < 1
+        ):
+            raise ValueError(f"scoring_tokens must be a positive integer or None, got {scoring_tokens!r}")
         super().__init__(*args, **kwargs)
-        self.batched_scoring = batched_scoring
+        self.batched_scoring, self.scoring_tokens = batched_scoring, scoring_tokens
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
         if not self.batched_scoring or self.backend != "causal":
@@ -76,7 +86,11 @@ class BatchedScoring:
         size = (override_bs or 0) if auto else self.batch_size
         answers = []
         bar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0, desc="Running loglikelihood requests")
-        for chunk in order.get_batched(n=size, batch_fn=batch_fn):
+        if self.scoring_tokens and not auto:
+            chunks = self._by_tokens(next(order.get_batched(n=0), []))  # n=0: one list, longest first
+        else:
+            chunks = order.get_batched(n=size, batch_fn=batch_fn)
+        for chunk in chunks:
             for key, answer in self._score_batch(chunk, order):
                 answers.append(answer)
                 if key is not None:  # None: a rolling log-likelihood's windows, recorded per document
@@ -84,6 +98,16 @@ class BatchedScoring:
                 bar.update(1)
         bar.close()
         return order.get_original(answers)
+
+    def _by_tokens(self, requests: list):
+        """``requests`` (longest first) in batches of at most ``scoring_tokens`` tokens each."""
+        i = 0
+        while i < len(requests):
+            _, context, continuation = requests[i]
+            longest = min(len(context) + len(continuation) - 1, self.max_length)
+            rows = max(1, self.scoring_tokens // longest)
+            yield requests[i : i + rows]
+            i += rows
 
     def _inputs(self, context: list[int], continuation: list[int]) -> list[int]:
         assert context and continuation and len(continuation) <= self.max_length
