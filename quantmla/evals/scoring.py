@@ -17,11 +17,11 @@ taken per position in the same dtype as lm-eval's and each answer's sum is reduc
 so the answers equal lm-eval's up to the order in which a multi-token answer's log-probabilities are
 added: a float32 sum may differ in its last bits, a bfloat16 one (accumulated in float32, then
 rounded) rarely by its last bit; greedy flags are equal (``tests/test_evals_scoring.py`` compares
-both with lm-eval's own loop). One more difference, where lm-eval's own result is wrong: when requests that share a forward row
-have continuations of different lengths, lm-eval gathers the shorter one's log-probabilities from
-the start of the longer one's positions, and here from its own (the last ones, where lm-eval also
-checks its greedy match). A group of one-token continuations, the only kind Suite A and MMLU make,
-is the same either way.
+both with lm-eval's own loop). One more difference, where lm-eval's own result is wrong: when
+requests that share a forward row have continuations of different lengths, lm-eval gathers the
+shorter one's log-probabilities from the start of the longer one's positions, and here from its own
+(the last ones, where lm-eval also checks its greedy match). A group of one-token continuations,
+the only kind the multiple-choice tasks make, is the same either way.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ class BatchedScoring:
     fit that many tokens (rows × its longest input; at least one row), so short requests go many to a
     forward pass and long ones few. The memory of a pass is about rows × length × vocabulary, and
     for a small model most of its time is host work whatever its size: a fixed row count is either
-    slow on short requests or too large on long ones. None: ``batch_size`` rows, as lm-eval."""
+    slow on short requests or too large on long ones. None (or an ``auto`` batch size, lm-eval's own
+    search): ``batch_size`` rows, as lm-eval."""
 
     def __init__(self, *args, batched_scoring: bool = True, scoring_tokens: int | None = None, **kwargs):
         if not isinstance(batched_scoring, bool):
