@@ -358,3 +358,28 @@ def test_a_signal_during_an_update_saves_the_step_it_completes(tmp_path):
     assert saved["step"] == 3
     assert torch.equal(saved["params"]["w"][0], path.w.detach())
     assert 0 < float(path.w[0]) < 1
+
+
+def test_held_out_mean_adds_on_the_device_exactly_as_the_host_did():
+    """Validation sums each layer's losses on the device and reads them once; the value is the host
+    float64 sum of each layer's float32 total, added in the same order, to the last bit."""
+    from quantmla.calibration import Teacher, heldout_mean
+
+    model, _, _ = installed("tiny")
+    ids = torch.randint(0, 200, (5, 24), generator=torch.Generator().manual_seed(0))
+
+    def fn(lb):  # per-window losses of very different sizes, so the order of additions matters
+        return {
+            "a": lb.C.float().pow(2).mean(dim=(1, 2, 3)) * 1e3**lb.index,
+            "b": lb.K_P.float().abs().amax(-1).sum((1, 2)),
+        }
+
+    got = heldout_mean(Teacher(model, ids, 2, outputs=False), fn, progress=False)
+    sums, count = {}, 0
+    for windows, layers in Teacher(model, ids, 2, outputs=False):
+        layers = list(layers)
+        for lb in layers:
+            for k, v in fn(lb).items():
+                sums[k] = sums.get(k, 0.0) + float(v.sum())
+        count += windows * len(layers)
+    assert got == {k: v / count for k, v in sums.items()}
