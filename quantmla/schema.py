@@ -121,6 +121,11 @@ def check_value(where: str, value, hint):
     return value
 
 
+def positive_int(value) -> bool:
+    """Whether ``value`` is an integer of at least 1 (a boolean is not one)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def _number(where: str, value):
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return value

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quantmla.evals import Eval, EvalContext, averages
+from quantmla.schema import positive_int
 
 log = logging.getLogger("quantmla")
 
@@ -110,18 +111,10 @@ class LMEval(Eval):
             raise ValueError(f"lm_eval batch_size must be a positive integer, auto or auto:N, got {self.batch_size!r}")
         if self.max_batch_size < 1:
             raise ValueError(f"lm_eval max_batch_size must be positive, got {self.max_batch_size}")
-        if self.generate_batch_size is not None and (
-            isinstance(self.generate_batch_size, bool)
-            or not isinstance(self.generate_batch_size, int)
-            or self.generate_batch_size < 1
-        ):
-            raise ValueError(
-                f"lm_eval generate_batch_size must be a positive integer or null, got {self.generate_batch_size!r}"
-            )
-        if self.scoring_tokens is not None and (
-            isinstance(self.scoring_tokens, bool) or not isinstance(self.scoring_tokens, int) or self.scoring_tokens < 1
-        ):
-            raise ValueError(f"lm_eval scoring_tokens must be a positive integer or null, got {self.scoring_tokens!r}")
+        for key in ("generate_batch_size", "scoring_tokens"):
+            value = getattr(self, key)
+            if value is not None and not positive_int(value):
+                raise ValueError(f"lm_eval {key} must be a positive integer or null, got {value!r}")
         if self.limit is not None and self.limit <= 0:
             raise ValueError(f"lm_eval limit must be positive or null, got {self.limit}")
         if self.suite not in (None, *averages.SUITES):
