@@ -38,7 +38,8 @@ from lm_eval.models.huggingface import HFLM
 
 from quantmla import attention, placement
 from quantmla.evals.responses import ResponseCache
-from quantmla.evals.scoring import BatchedScoring
+from quantmla.evals.scoring import BatchedScoring, in_halves_on_oom
+from quantmla.schema import positive_int
 
 log = logging.getLogger("quantmla")
 
@@ -243,9 +244,7 @@ class GenerationBatch:
 
     def __init__(self, *args, generate_batch_size: int | None = None, **kwargs):
         # lm-eval's --model_args parser already turns "128" into 128
-        if generate_batch_size is not None and (
-            isinstance(generate_batch_size, bool) or not isinstance(generate_batch_size, int) or generate_batch_size < 1
-        ):
+        if generate_batch_size is not None and not positive_int(generate_batch_size):
             raise ValueError(f"generate_batch_size must be a positive integer, got {generate_batch_size!r}")
         super().__init__(*args, **kwargs)
         self.generate_batch_size = generate_batch_size
@@ -264,24 +263,15 @@ class GenerationBatch:
         (GPUs shared by several runs), each sequence as it would have been in the whole batch (greedy
         decoding of a sequence does not depend on the others; the shorter half's output is padded
         as ``generate`` pads a sequence that stopped early)."""
-        try:
-            return self._generate(context, max_length, stop, **kwargs)
-        except torch.OutOfMemoryError:
-            if context.shape[0] == 1:
-                raise
-        torch.cuda.empty_cache()  # outside the handler: the failed attempt's tensors are freed
-        B, half = context.shape[0], context.shape[0] // 2
-        log.warning(
-            "out of GPU memory generating for %d prompts of %d tokens: as %d and %d",
-            B,
-            context.shape[1],
-            half,
-            B - half,
-        )
-        parts = []
-        for rows in (slice(0, half), slice(half, B)):
-            part = {k: v[rows] if isinstance(v, torch.Tensor) and v.shape[:1] == (B,) else v for k, v in kwargs.items()}
-            parts.append(self._model_generate(context[rows], max_length, stop, **part))
+        B = context.shape[0]
+
+        def rows(a: int, b: int) -> torch.Tensor:
+            part = {k: v[a:b] if isinstance(v, torch.Tensor) and v.shape[:1] == (B,) else v for k, v in kwargs.items()}
+            return self._generate(context[a:b], max_length, stop, **part)
+
+        parts = in_halves_on_oom(rows, B, "generating for", "prompts")
+        if len(parts) == 1:
+            return parts[0]
         width = max(p.shape[1] for p in parts)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=pad) for p in parts])

@@ -31,9 +31,30 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from quantmla.schema import positive_int
+
 log = logging.getLogger("quantmla")
 
 _NO_LOGITS = torch.empty(1, 0, 0)  # what lm-eval's Collator.get_cache expands for a context group
+
+
+def in_halves_on_oom(run, n: int, doing: str, unit: str) -> list:
+    """``[run(0, n)]``; where the GPU has no memory for more than one row, the results of ``run`` on
+    each half instead, recursively, in row order. Several runs sharing a GPU: another run's peak may
+    come at the same moment as this one's, and a smaller batch then goes through."""
+
+    def rows(lo: int, hi: int) -> list:
+        try:
+            return [run(lo, hi)]
+        except torch.OutOfMemoryError:
+            if hi - lo == 1:
+                raise
+        torch.cuda.empty_cache()  # outside the handler, so that the failed attempt's tensors are freed
+        mid = (lo + hi) // 2
+        log.warning("out of GPU memory %s %d %s: as %d and %d", doing, hi - lo, unit, mid - lo, hi - mid)
+        return rows(lo, mid) + rows(mid, hi)
+
+    return rows(0, n)
 
 
 def _longest_first(req):
@@ -61,9 +82,7 @@ class BatchedScoring:
     def __init__(self, *args, batched_scoring: bool = True, scoring_tokens: int | None = None, **kwargs):
         if not isinstance(batched_scoring, bool):
             raise ValueError(f"batched_scoring must be true or false, got {batched_scoring!r}")
-        if scoring_tokens is not None and (
-            isinstance(scoring_tokens, bool) or not isinstance(scoring_tokens, int) or scoring_tokens < 1
-        ):
+        if scoring_tokens is not None and not positive_int(scoring_tokens):
             raise ValueError(f"scoring_tokens must be a positive integer or None, got {scoring_tokens!r}")
         super().__init__(*args, **kwargs)
         self.batched_scoring, self.scoring_tokens = batched_scoring, scoring_tokens
@@ -132,27 +151,8 @@ class BatchedScoring:
             [(k, cont) for k, cont, _ in order.get_cache(req_str=key, cxt_toks=ctx, cont_toks=cont, logits=_NO_LOGITS)]
             for key, ctx, cont in chunk
         ]
-        return self._score_rows(inputs, shared)
-
-    def _score_rows(self, inputs: list[list[int]], shared: list[list]) -> list[tuple]:
-        """The answers of ``inputs``; a batch the GPU has no memory for is scored in two halves (GPUs
-        shared by several runs: another run's peak may come at the same moment)."""
-        try:
-            return self._answers(inputs, shared)
-        except torch.OutOfMemoryError:
-            if len(inputs) == 1:
-                raise
-        # outside the handler, so that the failed attempt's tensors are already freed
-        torch.cuda.empty_cache()
-        half = len(inputs) // 2
-        log.warning(
-            "out of GPU memory scoring %d rows of up to %d tokens: scoring them as %d and %d",
-            len(inputs),
-            max(map(len, inputs)),
-            half,
-            len(inputs) - half,
-        )
-        return self._score_rows(inputs[:half], shared[:half]) + self._score_rows(inputs[half:], shared[half:])
+        parts = in_halves_on_oom(lambda a, b: self._answers(inputs[a:b], shared[a:b]), len(inputs), "scoring", "rows")
+        return [answer for part in parts for answer in part]
 
     def _answers(self, inputs: list[list[int]], shared: list[list]) -> list[tuple]:
         batch = torch.zeros(len(inputs), max(map(len, inputs)), dtype=torch.long)
