@@ -160,12 +160,13 @@ def test_batched_scoring_and_scoring_tokens_are_checked():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("bits", [None, "c4r4"], ids=["native", "c4r4"])
-def test_answers_equal_lm_evals_own_loop_in_bf16_on_the_gpu(bits, monkeypatch):
+@pytest.mark.parametrize("scoring_tokens", [None, 600], ids=["rows", "tokens"])
+def test_answers_equal_lm_evals_own_loop_in_bf16_on_the_gpu(bits, scoring_tokens, monkeypatch):
     model, tok = build(dtype=torch.bfloat16)
     model.to("cuda")
     if bits:
         attention.install(model, CacheSpec.parse(bits))
-    lm = language_model(model, tok, batch_size=3, max_length=512)
+    lm = language_model(model, tok, batch_size=3, max_length=512, scoring_tokens=scoring_tokens)
     theirs, ours, _ = _both(lm, monkeypatch)
     exact = _same(ours, theirs, torch.bfloat16)
     assert exact >= len(PAIRS) - 1
