@@ -127,6 +127,28 @@ def test_a_batch_out_of_gpu_memory_is_scored_in_halves(caplog):
         _answers(lm)
 
 
+def test_the_output_layer_runs_on_the_continuation_positions_only():
+    """The output layer sees only the positions some request's continuation is predicted from, and
+    the answers equal those scored from the full logits to the last bit."""
+    model, tok = build()
+    attention.install(model, CacheSpec.parse("c4r4"))
+    lm = language_model(model, tok, batch_size=8, max_length=512)
+    head = []
+    hook = model.lm_head.register_forward_hook(lambda m, args, out: head.append(tuple(args[0].shape[:2])))
+    try:
+        kept, kept_head = _answers(lm), list(head)
+        head.clear()
+        lm.all_logits = True  # every position, then sliced: as for a model without logits_to_keep
+        full, full_head = _answers(lm), list(head)
+    finally:
+        hook.remove()
+    assert kept == full
+    continuation_tokens = sum(len(tok.encode(c)) for _, c in PAIRS)
+    assert sum(p for _, p in kept_head) <= continuation_tokens  # positions per pass, at most one per token
+    assert max(p for _, p in full_head) == 512  # the full logits: every position of the longest row
+    assert 4 * sum(r * p for r, p in kept_head) < sum(r * p for r, p in full_head)
+
+
 def test_batches_by_tokens_take_many_short_requests_and_few_long_ones():
     """With ``scoring_tokens``, every forward pass holds at most that many tokens (rows x its longest
     input) or a single row, longest requests first; the answers are those of fixed-size batches."""
@@ -152,6 +174,8 @@ def test_batched_scoring_and_scoring_tokens_are_checked():
     attention.install(model, CacheSpec.parse("c4r4"))
     with pytest.raises(ValueError, match="batched_scoring must be true or false"):
         QuantMLALM(model, tok, batched_scoring="yes")
+    with pytest.raises(ValueError, match="all_logits must be true or false"):
+        QuantMLALM(model, tok, all_logits="yes")
     for bad in (0, -5, "1024", True):
         with pytest.raises(ValueError, match="scoring_tokens must be a positive integer or None"):
             QuantMLALM(model, tok, scoring_tokens=bad)

@@ -308,9 +308,14 @@ class CachedHFLM(ReleasesMemory, ResponseCache, Progress, BatchedTokenizer, Batc
     batched tokenization, batched scoring (:mod:`quantmla.evals.scoring`), its own generation batch
     size and memory returned as batches shrink."""
 
-    def _model_call(self, inps, attn_mask=None, labels=None):
+    def _model_call(self, inps, attn_mask=None, labels=None, logits_to_keep=None):
         self._release_if_shrunk(inps)
-        return super()._model_call(inps, attn_mask, labels)
+        if logits_to_keep is None:
+            return super()._model_call(inps, attn_mask, labels)
+        # a causal model's logits at some positions only (batched scoring), in lm-eval's precision
+        precision = self.mixed_precision_dtype
+        with torch.no_grad(), torch.autocast(self.device.type, dtype=precision, enabled=precision is not None):
+            return self.model(inps, logits_to_keep=logits_to_keep).logits
 
 
 @register_model("quantmla")
@@ -337,12 +342,14 @@ class QuantMLALM(ReleasesMemory, ResponseCache, Progress, BatchedTokenizer, Batc
         )
         self._device = placement.execution_device(pretrained)  # inputs go to the first GPU of a spread model
 
-    def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
+    def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None, logits_to_keep=None) -> torch.Tensor:
         # Teacher-forced scoring: no generation cache, the installed attention quantizes the
-        # latent of every position and protects per query (decode-faithful rule).
+        # latent of every position and protects per query (decode-faithful rule). With
+        # ``logits_to_keep`` (batched scoring) the output layer runs on those positions only.
         self._release_if_shrunk(inps)
+        keep = {} if logits_to_keep is None else {"logits_to_keep": logits_to_keep}
         with torch.no_grad():
-            logits = self.model(inps, use_cache=False).logits
+            logits = self.model(inps, use_cache=False, **keep).logits
         return logits
 
     def _generate(self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs):

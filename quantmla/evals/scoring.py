@@ -11,8 +11,9 @@ work, HellaSwag went from about 40 to 130-220 requests/s per run (docs/reproduct
 
 :class:`BatchedScoring` keeps lm-eval's order, batches, context grouping (one forward row for the
 answer choices that share a context, ``logits_cache``), truncation and answers, and does the
-per-request work for the whole batch at once: one copy of the inputs to the device, the
-log-softmax of the continuation positions only, one read-back of every answer. The log-softmax is
+per-request work for the whole batch at once: one copy of the inputs to the device, the output
+layer (``logits_to_keep``) and the log-softmax at the continuation positions only, one read-back
+of every answer. The log-softmax is
 taken per position in the same dtype as lm-eval's and each answer's sum is reduced in that dtype,
 so the answers equal lm-eval's up to the order in which a multi-token answer's log-probabilities are
 added: a float32 sum may differ in its last bits, a bfloat16 one (accumulated in float32, then
@@ -77,15 +78,26 @@ class BatchedScoring:
     forward pass and long ones few. The memory of a pass is about rows × length × vocabulary, and
     for a small model most of its time is host work whatever its size: a fixed row count is either
     slow on short requests or too large on long ones. None (or an ``auto`` batch size, lm-eval's own
-    search): ``batch_size`` rows, as lm-eval."""
+    search): ``batch_size`` rows, as lm-eval.
 
-    def __init__(self, *args, batched_scoring: bool = True, scoring_tokens: int | None = None, **kwargs):
-        if not isinstance(batched_scoring, bool):
-            raise ValueError(f"batched_scoring must be true or false, got {batched_scoring!r}")
+    The output layer runs only at the positions a continuation is predicted from
+    (``logits_to_keep``); ``all_logits=True`` runs it on every position and slices, for comparison."""
+
+    def __init__(
+        self,
+        *args,
+        batched_scoring: bool = True,
+        scoring_tokens: int | None = None,
+        all_logits: bool = False,
+        **kwargs,
+    ):
+        for name, value in (("batched_scoring", batched_scoring), ("all_logits", all_logits)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be true or false, got {value!r}")
         if scoring_tokens is not None and not positive_int(scoring_tokens):
             raise ValueError(f"scoring_tokens must be a positive integer or None, got {scoring_tokens!r}")
         super().__init__(*args, **kwargs)
-        self.batched_scoring, self.scoring_tokens = batched_scoring, scoring_tokens
+        self.batched_scoring, self.scoring_tokens, self.all_logits = batched_scoring, scoring_tokens, all_logits
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
         if not self.batched_scoring or self.backend != "causal":
@@ -129,6 +141,21 @@ class BatchedScoring:
             yield requests[i : i + rows]
             i += rows
 
+    def _logits_at(self, batch: torch.Tensor, keep: list[int]) -> torch.Tensor:
+        """The logits of ``batch`` at the positions ``keep`` of every row: [rows, len(keep), vocabulary].
+        A model whose forward takes ``logits_to_keep`` (transformers' causal LMs) runs its output
+        layer on those positions only; another one's full logits are sliced."""
+        if not self.all_logits and self._takes_logits_to_keep():
+            return self._model_call(batch, logits_to_keep=torch.tensor(keep, device=batch.device))
+        return self._model_call(batch)[:, keep]
+
+    def _takes_logits_to_keep(self) -> bool:
+        if not hasattr(self, "_logits_to_keep"):
+            import inspect
+
+            self._logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        return self._logits_to_keep
+
     def _inputs(self, context: list[int], continuation: list[int]) -> list[int]:
         assert context and continuation and len(continuation) <= self.max_length
         total = len(context) + len(continuation)
@@ -158,7 +185,6 @@ class BatchedScoring:
         batch = torch.zeros(len(inputs), max(map(len, inputs)), dtype=torch.long)
         for i, x in enumerate(inputs):
             batch[i, : len(x)] = torch.tensor(x)
-        logits = self._model_call(batch.to(self.device))  # [batch, length, vocabulary]
 
         keys, conts, rows, positions, tokens = [], [], [], [], []
         for i, (x, answers) in enumerate(zip(inputs, shared, strict=True)):
@@ -168,7 +194,10 @@ class BatchedScoring:
                 rows += [i] * len(cont)
                 positions += range(len(x) - len(cont), len(x))  # the logits that predict the continuation
                 tokens += cont
-        idx = torch.tensor([rows, positions, tokens], dtype=torch.long).to(logits.device)
+        keep = sorted(set(positions))  # the positions any row needs: the output layer runs on these only
+        column = {p: j for j, p in enumerate(keep)}
+        logits = self._logits_at(batch.to(self.device), keep)  # [batch, len(keep), vocabulary]
+        idx = torch.tensor([rows, [column[p] for p in positions], tokens], dtype=torch.long).to(logits.device)
         logp = F.log_softmax(logits[idx[0], idx[1]], dim=-1, dtype=self.softmax_dtype)  # [tokens, vocabulary]
         del logits  # the next batch's forward must not find this one's logits still held
         target = idx[2]
