@@ -146,7 +146,10 @@ class BatchedScoring:
         A model whose forward takes ``logits_to_keep`` (transformers' causal LMs) runs its output
         layer on those positions only; another one's full logits are sliced."""
         if not self.all_logits and self._takes_logits_to_keep():
-            return self._model_call(batch, logits_to_keep=torch.tensor(keep, device=batch.device))
+            # a model spread over devices ends on another one than its inputs: CPU indices serve either
+            spread = len({str(d) for d in (getattr(self.model, "hf_device_map", None) or {}).values()}) > 1
+            where = "cpu" if spread else batch.device
+            return self._model_call(batch, logits_to_keep=torch.tensor(keep, device=where))
         return self._model_call(batch)[:, keep]
 
     def _takes_logits_to_keep(self) -> bool:
