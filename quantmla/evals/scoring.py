@@ -75,9 +75,9 @@ class BatchedScoring:
 
     ``scoring_tokens`` sizes batches by tokens instead of rows: each batch takes as many requests as
     fit that many tokens (rows × its longest input; at least one row), so short requests go many to a
-    forward pass and long ones few. The memory of a pass is about rows × length × vocabulary, and
-    for a small model most of its time is host work whatever its size: a fixed row count is either
-    slow on short requests or too large on long ones. None (or an ``auto`` batch size, lm-eval's own
+    forward pass and long ones few. For a small model most of a pass's time is host work whatever
+    its size, so a fixed row count is slow on short requests, and on long ones its activations
+    (rows × length × width per layer) grow with the length. None (or an ``auto`` batch size, lm-eval's own
     search): ``batch_size`` rows, as lm-eval.
 
     The output layer runs only at the positions a continuation is predicted from
