@@ -13,12 +13,11 @@ work, HellaSwag went from about 40 to 130-220 requests/s per run (docs/reproduct
 answer choices that share a context, ``logits_cache``), truncation and answers, and does the
 per-request work for the whole batch at once: one copy of the inputs to the device, the output
 layer (``logits_to_keep``) and the log-softmax at the continuation positions only, one read-back
-of every answer. The log-softmax is
-taken per position in the same dtype as lm-eval's and each answer's sum is reduced in that dtype,
-so the answers equal lm-eval's up to the order in which a multi-token answer's log-probabilities are
-added: a float32 sum may differ in its last bits, a bfloat16 one (accumulated in float32, then
-rounded) rarely by its last bit; greedy flags are equal (``tests/test_evals_scoring.py`` compares
-both with lm-eval's own loop). One more difference, where lm-eval's own result is wrong: when
+of every answer. The log-softmax is taken per position in the same dtype as lm-eval's and each
+answer's sum is reduced in that dtype, so the answers equal lm-eval's up to the order in which a
+multi-token answer's log-probabilities are added: a float32 sum may differ in its last bits, a
+bfloat16 one (accumulated in float32, then rounded) rarely by its last bit; greedy flags are equal
+(``tests/test_evals_scoring.py`` compares both with lm-eval's own loop). One more difference, where lm-eval's own result is wrong: when
 requests that share a forward row have continuations of different lengths, lm-eval gathers the
 shorter one's log-probabilities from the start of the longer one's positions, and here from its own
 (the last ones, where lm-eval also checks its greedy match). A group of one-token continuations,
@@ -27,6 +26,7 @@ the only kind the multiple-choice tasks make, is the same either way.
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import torch
@@ -98,6 +98,10 @@ class BatchedScoring:
             raise ValueError(f"scoring_tokens must be a positive integer or None, got {scoring_tokens!r}")
         super().__init__(*args, **kwargs)
         self.batched_scoring, self.scoring_tokens, self.all_logits = batched_scoring, scoring_tokens, all_logits
+        # whether the model's output layer can run on some positions only, and whether the indices must
+        # be on the CPU (a model spread over devices ends on another one than its inputs)
+        self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        self._spread = len({str(d) for d in (getattr(self.model, "hf_device_map", None) or {}).values()}) > 1
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
         if not self.batched_scoring or self.backend != "causal":
@@ -145,19 +149,10 @@ class BatchedScoring:
         """The logits of ``batch`` at the positions ``keep`` of every row: [rows, len(keep), vocabulary].
         A model whose forward takes ``logits_to_keep`` (transformers' causal LMs) runs its output
         layer on those positions only; another one's full logits are sliced."""
-        if not self.all_logits and self._takes_logits_to_keep():
-            # a model spread over devices ends on another one than its inputs: CPU indices serve either
-            spread = len({str(d) for d in (getattr(self.model, "hf_device_map", None) or {}).values()}) > 1
-            where = "cpu" if spread else batch.device
+        if not self.all_logits and self._takes_logits_to_keep:
+            where = "cpu" if self._spread else batch.device
             return self._model_call(batch, logits_to_keep=torch.tensor(keep, device=where))
         return self._model_call(batch)[:, keep]
-
-    def _takes_logits_to_keep(self) -> bool:
-        if not hasattr(self, "_logits_to_keep"):
-            import inspect
-
-            self._logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
-        return self._logits_to_keep
 
     def _inputs(self, context: list[int], continuation: list[int]) -> list[int]:
         assert context and continuation and len(continuation) <= self.max_length
