@@ -50,7 +50,10 @@ def test_noise_floor_sweep_on_the_tiny_model(tmp_path):
     assert table.returncode == 0, table.stderr
     (row,) = pd.read_csv(tmp_path / "o" / "table.csv").to_dict("records")
     ppls = [m["ppl"] for m in records]
-    assert row["n"] == 8 and row["ppl"] == plain["ppl"]
+    # the row shows the mean of the unperturbed runs (the plain one and its repeat): a repeat on the
+    # CPU agrees with the plain run to the window tolerance above, not always to the last bit
+    repeat = next(m for m in records if m.get("noise", {}).get("applied") == "none (repeat 1)")
+    assert row["n"] == 8 and row["ppl"] == pytest.approx((plain["ppl"] + repeat["ppl"]) / 2, rel=1e-12)
     assert row["ppl_noise"] == pytest.approx(max(ppls) - min(ppls), abs=1e-12)
     assert "noise floor" in table.stdout and "measured on rtn C4R4 unprotected (8 runs)" in table.stdout
 
