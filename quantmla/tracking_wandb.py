@@ -12,13 +12,22 @@ relaunched run (after a failure, an interruption, a SLURM requeue) resumes the s
 
 Without an API key the run is written offline into ``<record>/wandb/offline-run-<time>-<wandb id>/``;
 ``wandb sync runs/<sweep>/<run-id>/wandb/offline-run-*`` uploads it (a resumed run's folders in order).
+
+A record made without W&B (``logger=none``, or on a machine whose W&B folders were not kept) gets
+the same W&B run afterwards from its folder, since everything above is read from it:
+``python -m quantmla.tracking_wandb runs/<folder>`` (:func:`log_records`) logs every finished record
+under the folder that has no W&B log yet, with ``record/logged_from: record`` in its summary (its
+W&B times are those of the logging, and it has no system metrics).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 RESERVED = "record/"
 """Summary keys of the record itself (not metrics): ``record/run``, ``record/sweep``, ``record/status``, ``record/tasks``."""
@@ -127,3 +136,77 @@ class WandbLogger:
                 self.run.summary[f"{RESERVED}status"] = "failed"
             self.run.finish(exit_code=0 if ok else 1)
             self.run = None
+
+
+def has_wandb_log(folder: Path, wid: str) -> bool:
+    """Whether the record folder holds a W&B run folder (offline or online) of W&B run ``wid``."""
+    return any((folder / "wandb").glob(f"*run-*-{wid}"))
+
+
+def log_records(root: str | Path, project=None, entity=None, mode: str = "auto", tags=(), say=print) -> dict:
+    """Log every finished record under ``root`` that has no W&B log yet, as :class:`WandbLogger` logs
+    a run (same W&B id, config, summary, task table and artifact), plus ``record/logged_from``.
+
+    ``project``, ``entity`` and ``tags`` default to the record's own ``logger`` settings (the project
+    to ``quantmla`` if it has none). Returns ``{record folder: outcome}``: ``logged``, ``has a W&B log``, or why it was left alone."""
+    from quantmla.tracking import run_id, scan_runs
+
+    scan = scan_runs(root)
+    for path, why in scan.damaged:
+        say(f"{path}: damaged ({why}), left alone")
+    out = {}
+    for i, run in enumerate(scan.runs, 1):
+        folder, cfg, metrics = Path(run["dir"]), run["config"], run["metrics"]
+        sweep, rid = str(cfg.get("sweep") or folder.parent.name), run_id(cfg)
+        own = cfg.get("logger") if isinstance(cfg.get("logger"), dict) else {}
+        if (folder.parent.name, folder.name) != (sweep, rid):
+            outcome = f"not in <sweep>/<run id> ({sweep}/{rid}), left alone"
+        elif has_wandb_log(folder, wandb_id(sweep, rid)):
+            outcome = "has a W&B log"
+        else:
+            logger = WandbLogger(
+                project or own.get("project") or "quantmla",
+                entity or own.get("entity"),
+                mode,
+                tags or own.get("tags") or (),
+            )
+            ok = False
+            try:
+                logger.start(SimpleNamespace(dir=folder, id=rid, cfg=cfg), sweep)
+                logger.run.summary[f"{RESERVED}logged_from"] = "record"
+                logger.log(metrics)
+                ok = True
+            finally:
+                logger.finish(ok)
+            outcome = "logged"
+        out[folder] = outcome
+        say(f"[{i}/{len(scan.runs)}] {folder}: {outcome}")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m quantmla.tracking_wandb",
+        description="Log the finished run records under the folders to W&B, each that has no W&B log yet "
+        "(offline without an API key: `wandb sync <record>/wandb/offline-run-*` uploads them).",
+    )
+    ap.add_argument("folders", nargs="+", type=Path, help="folders of run records (searched recursively)")
+    ap.add_argument("--project", help="W&B project (default: each record's logger.project, else quantmla)")
+    ap.add_argument("--entity", help="W&B entity (default: each record's logger.entity)")
+    ap.add_argument("--mode", default="auto", choices=("auto", "online", "offline"), help="as logger.mode")
+    ap.add_argument("--tags", nargs="*", default=(), help="W&B tags of the logged runs")
+    args = ap.parse_args(argv)
+    missing = [str(f) for f in args.folders if not f.is_dir()]
+    if missing:
+        ap.error(f"no such folder: {', '.join(missing)}")
+    counts = dict.fromkeys(("logged", "has a W&B log", "left alone"), 0)
+    for folder in args.folders:
+        for outcome in log_records(folder, args.project, args.entity, args.mode, args.tags).values():
+            kind = outcome if outcome in ("logged", "has a W&B log") else "left alone"
+            counts[kind] += 1
+    print(", ".join(f"{n} {k}" for k, n in counts.items() if n) or "no finished records")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

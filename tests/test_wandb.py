@@ -9,6 +9,7 @@ is checked from run objects of the API's shape assembled from those files, throu
 import base64
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ from analysis import table as run_table
 from analysis.wandb_source import Record, convert, record_of, source, store
 from quantmla.evals.averages import suite_report
 from quantmla.tracking import RunRecord
-from quantmla.tracking_wandb import ARTIFACT_TYPE, WandbLogger, task_rows, wandb_id
+from quantmla.tracking_wandb import ARTIFACT_TYPE, WandbLogger, log_records, task_rows, wandb_id
 
 UNAVAILABLE = {"fda": "no offline copy", "swde": "no offline copy", "squad_completion": "no offline copy"}
 
@@ -117,6 +118,48 @@ def test_relaunched_run_resumes_the_same_wandb_run(tmp_path):
     assert all(of_type(r, "run")[0].resume for r in runs)
     states = [api_run(d).state for d in offline_runs(second.dir)]
     assert sorted(states) == ["failed", "finished"]
+
+
+def test_records_made_without_wandb_get_the_run_it_would_have_logged(tmp_path):
+    """A record of ``logger=none`` logged afterwards: the W&B run a live run logs (config, summary,
+    artifact; read back as the same record), marked as logged from the record; a record with a W&B
+    log, an unfinished one and a second pass are left alone."""
+    cfg, metrics = _cfg("rtn", "c4r4", False) | {"sweep": "s"}, _suite_metrics(1.0)
+    plain = RunRecord(tmp_path, "s", cfg)
+    plain.start()
+    plain.finish(metrics)
+    live = _log(tmp_path, "s", _cfg("quarot", "c4r4", False) | {"sweep": "s"}, _suite_metrics(0.9))
+    failed = RunRecord(tmp_path, "s", _cfg("smoothquant", "c4r4", False) | {"sweep": "s"})
+    failed.start()
+    failed.fail(RuntimeError("boom"))
+    moved = tmp_path / "elsewhere" / plain.id  # a copy whose folder no longer names its sweep
+    shutil.copytree(plain.dir, moved)
+    assert offline_runs(plain.dir) == [] and len(offline_runs(live.dir)) == 1
+
+    got = log_records(tmp_path, project="quantmla-test", mode="offline", say=lambda _: None)
+    assert got == {
+        plain.dir: "logged",
+        live.dir: "has a W&B log",
+        moved: f"not in <sweep>/<run id> (s/{plain.id}), left alone",
+    }
+    (run_dir,) = offline_runs(plain.dir)
+    run = api_run(run_dir)
+    assert run.id == wandb_id("s", plain.id) and run.state == "finished" and run.group == "s"
+    assert {k: v["value"] for k, v in run.config.items() if k != "_wandb"} == cfg
+    assert run.summary["record/status"] == "done" and run.summary["record/logged_from"] == "record"
+    back = record_of(run)
+    assert (back.sweep, back.run, back.config, back.metrics) == ("s", plain.id, cfg, metrics)
+    (art,) = [a for a in of_type(finished_records(run_dir), "artifact") if a.type == ARTIFACT_TYPE]
+    assert {c.path for c in art.manifest.contents} == {"config.yaml", "env.json", "metrics.json", "status"}
+    assert offline_runs(failed.dir) == [] and len(offline_runs(live.dir)) == 1
+
+    again = subprocess.run(
+        [sys.executable, "-m", "quantmla.tracking_wandb", str(tmp_path), "--mode", "offline"],
+        capture_output=True, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.strip().splitlines()[-1] == "2 has a W&B log, 1 left alone"
+    assert len(offline_runs(plain.dir)) == 1
 
 
 def test_wandb_id_is_stable_and_safe():
