@@ -27,7 +27,6 @@ import os
 import re
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 RESERVED = "record/"
 """Summary keys of the record itself (not metrics): ``record/run``, ``record/sweep``, ``record/status``, ``record/tasks``."""
@@ -91,7 +90,8 @@ class WandbLogger:
         netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
         return "online" if netrc.exists() and "api.wandb.ai" in netrc.read_text() else "offline"
 
-    def start(self, record, sweep: str) -> None:
+    def start(self, record, sweep: str, logged_from: str | None = None) -> None:
+        """``logged_from``: where the run was logged from when not by the run itself (``record/logged_from``)."""
         import wandb
 
         self.record, self.sweep = record, sweep
@@ -113,6 +113,8 @@ class WandbLogger:
         self.run.summary.update(
             {f"{RESERVED}run": record.id, f"{RESERVED}sweep": sweep, f"{RESERVED}status": "running"}
         )
+        if logged_from:
+            self.run.summary[f"{RESERVED}logged_from"] = logged_from
 
     def log(self, metrics: dict) -> None:
         """The finished record: metrics as the summary, the per-task table, the record folder as an artifact."""
@@ -149,7 +151,7 @@ def log_records(root: str | Path, project=None, entity=None, mode: str = "auto",
 
     ``project``, ``entity`` and ``tags`` default to the record's own ``logger`` settings (the project
     to ``quantmla`` if it has none). Returns ``{record folder: outcome}``: ``logged``, ``has a W&B log``, or why it was left alone."""
-    from quantmla.tracking import run_id, scan_runs
+    from quantmla.tracking import RunRecord, scan_runs
 
     scan = scan_runs(root)
     for path, why in scan.damaged:
@@ -157,11 +159,12 @@ def log_records(root: str | Path, project=None, entity=None, mode: str = "auto",
     out = {}
     for i, run in enumerate(scan.runs, 1):
         folder, cfg, metrics = Path(run["dir"]), run["config"], run["metrics"]
-        sweep, rid = str(cfg.get("sweep") or folder.parent.name), run_id(cfg)
+        sweep = str(cfg.get("sweep") or folder.parent.name)
+        record = RunRecord(folder.parent.parent, sweep, cfg)
         own = cfg.get("logger") if isinstance(cfg.get("logger"), dict) else {}
-        if (folder.parent.name, folder.name) != (sweep, rid):
-            outcome = f"not in <sweep>/<run id> ({sweep}/{rid}), left alone"
-        elif has_wandb_log(folder, wandb_id(sweep, rid)):
+        if record.dir != folder:
+            outcome = f"not in <sweep>/<run id> ({sweep}/{record.id}), left alone"
+        elif has_wandb_log(folder, wandb_id(sweep, record.id)):
             outcome = "has a W&B log"
         else:
             logger = WandbLogger(
@@ -172,8 +175,7 @@ def log_records(root: str | Path, project=None, entity=None, mode: str = "auto",
             )
             ok = False
             try:
-                logger.start(SimpleNamespace(dir=folder, id=rid, cfg=cfg), sweep)
-                logger.run.summary[f"{RESERVED}logged_from"] = "record"
+                logger.start(record, sweep, logged_from="record")
                 logger.log(metrics)
                 ok = True
             finally:
