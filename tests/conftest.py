@@ -1,6 +1,12 @@
 import os
 import shutil
+import signal
 import tempfile
+
+# Ctrl-C raises KeyboardInterrupt, as from a terminal, also in a test run started in the background
+# of a shell without job control: that hands SIGINT over ignored, Python then leaves it ignored, and
+# so would every process the tests start (a handler, unlike an ignored signal, is reset by exec)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -32,9 +31,6 @@ def _main(argv: list[str], cwd: str, log: str) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.chdir(cwd)
-    # as from a terminal: Ctrl-C raises KeyboardInterrupt (a test run started in the background of a
-    # shell without job control inherits SIGINT ignored, and Python then leaves it ignored)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ.update({"WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
     sys.argv = ["quantmla.run", *argv]
     import torch
