@@ -17,10 +17,10 @@ of every answer. The log-softmax is taken per position in the same dtype as lm-e
 answer's sum is reduced in that dtype, so the answers equal lm-eval's up to the order in which a
 multi-token answer's log-probabilities are added: a float32 sum may differ in its last bits, a
 bfloat16 one (accumulated in float32, then rounded) rarely by its last bit; greedy flags are equal
-(``tests/test_evals_scoring.py`` compares both with lm-eval's own loop). One more difference, where lm-eval's own result is wrong: when
-requests that share a forward row have continuations of different lengths, lm-eval gathers the
-shorter one's log-probabilities from the start of the longer one's positions, and here from its own
-(the last ones, where lm-eval also checks its greedy match). A group of one-token continuations,
+(``tests/test_evals_scoring.py`` compares both with lm-eval's own loop). One more difference,
+where lm-eval's own result is wrong: when requests that share a forward row have continuations of
+different lengths, lm-eval gathers the shorter one's log-probabilities from the start of the longer
+one's positions, and here from its own (the last ones, where lm-eval also checks its greedy match). A group of one-token continuations,
 the only kind the multiple-choice tasks make, is the same either way.
 """
 
@@ -77,8 +77,8 @@ class BatchedScoring:
     fit that many tokens (rows × its longest input; at least one row), so short requests go many to a
     forward pass and long ones few. For a small model most of a pass's time is host work whatever
     its size, so a fixed row count is slow on short requests, and on long ones its activations
-    (rows × length × width per layer) grow with the length. None (or an ``auto`` batch size, lm-eval's own
-    search): ``batch_size`` rows, as lm-eval.
+    (rows × length × width per layer) grow with the length. None (or an ``auto`` batch size,
+    lm-eval's own search): ``batch_size`` rows, as lm-eval.
 
     The output layer runs only at the positions a continuation is predicted from
     (``logits_to_keep``); ``all_logits=True`` runs it on every position and slices, for comparison."""
