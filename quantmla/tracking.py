@@ -53,6 +53,7 @@ ADDED_DEFAULTS = {
     "method.matmul_precision": "highest",
     "eval.generate_batch_size": None,
     "eval.scoring_tokens": None,
+    "eval.share_prefix": None,
 }
 """Keys (dotted for nested ones) added after runs were first recorded, with the value every earlier run
 had: left out of the id at that value, so those runs keep their ids (and are not run again)."""

@@ -54,6 +54,8 @@ def _plan(*overrides):
         (["calibration.seq_len=64.5"], "calibration.seq_len must be an integer, got 64.5"),
         (["device=foo"], "device 'foo' is not a device name (auto, cpu, cuda or cuda:N)"),
         (["eval=suite_a", "eval.scoring_tokens=0"], "lm_eval scoring_tokens must be a positive integer or null, got 0"),
+        (["eval=suite_a", "eval.share_prefix=0"], "lm_eval share_prefix must be a positive integer or null, got 0"),
+        (["eval=lm_eval", "eval.share_prefix=64"], "lm_eval share_prefix needs scoring_tokens"),
     ],
 )
 def test_refused_before_loading_with_one_line(overrides, expect):

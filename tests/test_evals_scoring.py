@@ -179,6 +179,76 @@ def test_batched_scoring_and_scoring_tokens_are_checked():
     for bad in (0, -5, "1024", True):
         with pytest.raises(ValueError, match="scoring_tokens must be a positive integer or None"):
             QuantMLALM(model, tok, scoring_tokens=bad)
+        with pytest.raises(ValueError, match="share_prefix must be a positive integer or None"):
+            QuantMLALM(model, tok, scoring_tokens=1024, share_prefix=bad)
+    with pytest.raises(ValueError, match="share_prefix batches by tokens: set scoring_tokens too"):
+        QuantMLALM(model, tok, share_prefix=64)
+
+
+# Two "subjects" of MMLU's shape: a long shared few-shot prefix (longer than 4 sink + 128 recent tokens,
+# so the protection rule crosses from prefix to question), then per question four one-token answers
+# sharing a row and one longer answer; and requests that share nothing.
+OTHER = "Latent attention caches one compressed vector per token and a small rotary key beside it. "
+SHOTS = [TEXT * 3 + "Subject one.\n\n", OTHER * 3 + "Subject two.\n\n"]
+SHARING = [
+    (shots + f"Question {q}: {w}?\nAnswer:", answer)
+    for shots in SHOTS
+    for q, w in enumerate(("which letter", "what is cached", "why quantize", "how many bits"))
+    for answer in [" A", " B", " C", " D", " the latent"]
+] + [("The quick brown fox", " jumps over the lazy dog"), ("Hi", "!"), (TEXT, " The end.")]
+
+
+@pytest.mark.parametrize(
+    "bits, protect", [(None, True), ("c2r4", True), ("c2r4", False)], ids=["native", "c2r4", "c2r4-unprotected"]
+)
+def test_rows_sharing_a_prefix_run_it_once_with_the_answers_of_whole_rows(bits, protect):
+    """``share_prefix``: each subject's prefix runs once (one row) and its questions run on top of it;
+    in float64 every answer equals whole-row scoring's to rounding, so quantization and the
+    protection rule see the same tokens at the same positions across the prefix boundary."""
+    model, tok = build(dtype=torch.float64)
+    if bits:
+        attention.install(model, CacheSpec.parse(bits, protect=protect))
+    whole = language_model(model, tok, batch_size=4, max_length=512, scoring_tokens=2048)
+    want = _answers(whole, SHARING)
+    lm = language_model(model, tok, batch_size=4, max_length=512, scoring_tokens=2048, share_prefix=64)
+    shapes = []
+    hook = model.model.register_forward_pre_hook(
+        lambda m, args, kw: shapes.append(tuple(kw.get("input_ids", args[0] if args else None).shape)),
+        with_kwargs=True,
+    )
+    try:
+        got = _answers(lm, SHARING)
+    finally:
+        hook.remove()
+    assert [g for _, g in got] == [g for _, g in want]
+    for (a, _), (b, _) in zip(got, want, strict=True):
+        assert abs(a - b) <= 1e-9 * max(1.0, abs(b)), (a, b)
+    prefixes = sorted(len(tok.encode(x)) for x in SHOTS)
+    single = sorted(n for r, n in shapes if r == 1 and n >= prefixes[0])
+    assert len(single) == 2  # each subject's prefix once
+    assert all(p <= n < p + 16 for p, n in zip(prefixes, single))  # the common prefix, not a whole question
+    # the questions' rows after their prefix: a few tokens each, not the prefix again
+    rows_after = [(r, n) for r, n in shapes if n < 40 and r > 1]
+    assert sum(r for r, _ in rows_after) >= 2 * 4 * 2  # 4 questions x 2 rows (ABCD, the latent) x 2 subjects
+    assert sum(r * n for r, n in shapes) < 0.5 * sum(len(tok.encode(c + a)) for c, a in SHARING)
+
+
+def test_prefix_groups_hold_rows_sharing_at_least_the_minimum():
+    from quantmla.evals.scoring import prefix_groups
+
+    a = list(range(100))
+    rows = [a + [7, 8, 9], [5, 5], a + [7, 1], a[:70] + [3, 3, 3], a + [2]]
+    ends = [len(x) - 1 for x in rows]
+    groups = prefix_groups(rows, ends, 64)
+    by_rows = {tuple(sorted(g)): p for p, g in groups}
+    assert by_rows == {(0, 2, 3, 4): 70, (1,): 0}  # a shared prefix of 70 tokens; [5, 5] alone
+    # a row's prefix stops before the position predicting its continuation
+    assert dict((tuple(sorted(g)), p) for p, g in prefix_groups(rows, [101, 1, 101, 60, 100], 64)) == {
+        (0, 2, 4): 100,
+        (3,): 0,
+        (1,): 0,
+    }
+    assert prefix_groups(rows, ends, 200) == [(0, [i]) for i in sorted(range(5), key=lambda i: rows[i])]
 
 
 @pytest.mark.gpu
@@ -194,3 +264,19 @@ def test_answers_equal_lm_evals_own_loop_in_bf16_on_the_gpu(bits, scoring_tokens
     theirs, ours, _ = _both(lm, monkeypatch)
     exact = _same(ours, theirs, torch.bfloat16)
     assert exact >= len(PAIRS) - 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sharing_a_prefix_answers_as_whole_rows_in_bf16_on_the_gpu():
+    """In bfloat16 on the GPU the prefix's latents come from a one-row product instead of the batch's,
+    so a quantized code may round the other way: answers agree to bf16 noise, greedy flags almost all."""
+    model, tok = build(dtype=torch.bfloat16)
+    model.to("cuda")
+    attention.install(model, CacheSpec.parse("c4r4"))
+    want = _answers(language_model(model, tok, batch_size=4, max_length=512, scoring_tokens=2048), SHARING)
+    lm = language_model(model, tok, batch_size=4, max_length=512, scoring_tokens=2048, share_prefix=64)
+    got = _answers(lm, SHARING)
+    assert sum(a[1] != b[1] for a, b in zip(got, want, strict=True)) <= 2
+    for (a, _), (b, _) in zip(got, want, strict=True):
+        assert abs(a - b) <= 0.02 * abs(b) + 0.05, (a, b)

@@ -71,6 +71,7 @@ class LMEval(Eval):
     max_batch_size: int = 64  # the largest batch that batch_size=auto tries
     generate_batch_size: int | None = None  # generation requests' batch; None = batch_size
     scoring_tokens: int | None = None  # log-likelihood batches by tokens (rows x longest); None = batch_size rows
+    share_prefix: int | None = None  # rows sharing this many leading tokens run them once; None = off
     data: str = "mirror"  # mirror | hub
     max_length: int | None = None  # context for lm-eval's truncation; None = the model's
     gen_kwargs: dict | None = None  # e.g. {max_gen_toks: 2000, do_sample: false, temperature: 0}
@@ -111,10 +112,12 @@ class LMEval(Eval):
             raise ValueError(f"lm_eval batch_size must be a positive integer, auto or auto:N, got {self.batch_size!r}")
         if self.max_batch_size < 1:
             raise ValueError(f"lm_eval max_batch_size must be positive, got {self.max_batch_size}")
-        for key in ("generate_batch_size", "scoring_tokens"):
+        for key in ("generate_batch_size", "scoring_tokens", "share_prefix"):
             value = getattr(self, key)
             if value is not None and not positive_int(value):
                 raise ValueError(f"lm_eval {key} must be a positive integer or null, got {value!r}")
+        if self.share_prefix is not None and self.scoring_tokens is None:
+            raise ValueError("lm_eval share_prefix needs scoring_tokens (log-likelihood batches by tokens)")
         if self.limit is not None and self.limit <= 0:
             raise ValueError(f"lm_eval limit must be positive or null, got {self.limit}")
         if self.suite not in (None, *averages.SUITES):
@@ -184,6 +187,7 @@ class LMEval(Eval):
             max_batch_size=self.max_batch_size,
             generate_batch_size=self.generate_batch_size,
             scoring_tokens=self.scoring_tokens,
+            share_prefix=self.share_prefix,
             max_length=self.max_length or ctx.max_positions,
             enable_thinking=self.enable_thinking,
         )

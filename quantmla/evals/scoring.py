@@ -22,12 +22,25 @@ where lm-eval's own result is wrong: when requests that share a forward row have
 different lengths, lm-eval gathers the shorter one's log-probabilities from the start of the longer
 one's positions, and here from its own (the last ones, where lm-eval also checks its greedy match). A group of one-token continuations,
 the only kind the multiple-choice tasks make, is the same either way.
+
+``share_prefix`` scores a prefix that many requests repeat once: MMLU 5-shot's rows repeat their
+subject's 5-shot prefix, 85 % of its 10.1M tokens (docs/reproduction.md). Rows that share at least
+``share_prefix`` leading tokens (after truncation, the tokens actually scored) run their common prefix
+once, through a transformers ``DynamicCache``; their suffixes then run on top of it, right-padded, the
+cache expanded to the batch. The installed attention attends a step's queries over the cached and new
+latents (:func:`quantmla.kernels.attend`, queries the last columns), so quantization (per token) and
+the decode-faithful protection rule (per query and key position) are those of the whole row; only the
+shapes of the products change, so answers equal whole-row scoring up to rounding
+(``tests/test_evals_scoring.py``). The prefix ends before the position that predicts a row's first
+continuation token.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+from contextlib import contextmanager
+from os.path import commonprefix
 
 import torch
 import torch.nn.functional as F
@@ -89,19 +102,28 @@ class BatchedScoring:
         batched_scoring: bool = True,
         scoring_tokens: int | None = None,
         all_logits: bool = False,
+        share_prefix: int | None = None,
         **kwargs,
     ):
         for name, value in (("batched_scoring", batched_scoring), ("all_logits", all_logits)):
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be true or false, got {value!r}")
-        if scoring_tokens is not None and not positive_int(scoring_tokens):
-            raise ValueError(f"scoring_tokens must be a positive integer or None, got {scoring_tokens!r}")
+        for name, value in (("scoring_tokens", scoring_tokens), ("share_prefix", share_prefix)):
+            if value is not None and not positive_int(value):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if share_prefix is not None and scoring_tokens is None:
+            raise ValueError("share_prefix batches by tokens: set scoring_tokens too")
         super().__init__(*args, **kwargs)
         self.batched_scoring, self.scoring_tokens, self.all_logits = batched_scoring, scoring_tokens, all_logits
+        self.share_prefix = share_prefix
         # whether the model's output layer can run on some positions only, and whether the indices must
         # be on the CPU (a model spread over devices ends on another one than its inputs)
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self._spread = len({str(d) for d in (getattr(self.model, "hf_device_map", None) or {}).values()}) > 1
+        # the keyword a model's forward takes a cache under: ``cache`` from transformers 5.25, before it
+        # ``past_key_values``
+        forward = inspect.signature(self.model.forward).parameters
+        self._cache_keyword = "cache" if "cache" in forward else "past_key_values"
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
         if not self.batched_scoring or self.backend != "causal":
@@ -123,15 +145,22 @@ class BatchedScoring:
         answers = []
         bar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0, desc="Running loglikelihood requests")
         if self.scoring_tokens and not auto:
-            chunks = self._by_tokens(next(order.get_batched(n=0), []))  # n=0: one list, longest first
+            items = next(order.get_batched(n=0), [])  # n=0: one list, longest first
+            if self.share_prefix and self._takes_logits_to_keep and not self.all_logits:
+                scored = self._score_sharing_prefixes(items, order)
+            else:
+                scored = (pair for chunk in self._by_tokens(items) for pair in self._score_batch(chunk, order))
         else:
-            chunks = order.get_batched(n=size, batch_fn=batch_fn)
-        for chunk in chunks:
-            for key, answer in self._score_batch(chunk, order):
-                answers.append(answer)
-                if key is not None:  # None: a rolling log-likelihood's windows, recorded per document
-                    self.cache_hook.add_partial("loglikelihood", key, answer)
-                bar.update(1)
+            scored = (
+                pair
+                for chunk in order.get_batched(n=size, batch_fn=batch_fn)
+                for pair in self._score_batch(chunk, order)
+            )
+        for key, answer in scored:
+            answers.append(answer)
+            if key is not None:  # None: a rolling log-likelihood's windows, recorded per document
+                self.cache_hook.add_partial("loglikelihood", key, answer)
+            bar.update(1)
         bar.close()
         return order.get_original(answers)
 
@@ -145,7 +174,86 @@ class BatchedScoring:
             yield requests[i : i + rows]
             i += rows
 
-    def _logits_at(self, batch: torch.Tensor, keep: list[int]) -> torch.Tensor:
+    def _score_sharing_prefixes(self, items: list, order):
+        """The answers of ``items`` (lm-eval's order, with the requests sharing their rows), each group
+        of rows with a long common prefix scored on top of that prefix run once (module docstring)."""
+        inputs = [self._inputs(context, continuation) for _, context, continuation in items]
+        shared = [
+            [(k, cont) for k, cont, _ in order.get_cache(req_str=key, cxt_toks=ctx, cont_toks=cont, logits=_NO_LOGITS)]
+            for key, ctx, cont in items
+        ]
+        ends = [len(x) - max(len(c) for _, c in row) for x, row in zip(inputs, shared, strict=True)]
+        results: list = [None] * len(items)
+        alone = []
+        for P, rows in prefix_groups(inputs, ends, self.share_prefix):
+            if not P:
+                alone += rows
+                continue
+            past = self._run_prefix(inputs[rows[0]][:P])
+            self._run_rows(sorted(rows, key=lambda r: -len(inputs[r])), inputs, shared, results, past, P)
+            del past
+        self._run_rows(sorted(alone, key=lambda r: -len(inputs[r])), inputs, shared, results)
+        return [answer for row in results for answer in row]
+
+    def _run_rows(self, rows: list[int], inputs: list, shared: list, results: list, past=None, P: int = 0) -> None:
+        """Answer ``rows`` (longest first) in batches of ``scoring_tokens``, each row's answers put at
+        its index of ``results``. With ``past`` (the cache of the rows' first ``P`` tokens) each row
+        runs its tokens after those, and a batch also stays within four times ``scoring_tokens`` of
+        keys (rows × (P + its longest suffix)), which the attention reads."""
+        i = 0
+        while i < len(rows):
+            longest = len(inputs[rows[i]]) - P
+            n = max(1, min(self.scoring_tokens // longest, 4 * self.scoring_tokens // (P + longest)))
+            part = rows[i : i + n]
+            got = in_halves_on_oom(
+                lambda a, b, part=part: self._answers(
+                    [inputs[r][P:] for r in part[a:b]], [shared[r] for r in part[a:b]], past
+                ),
+                len(part),
+                "scoring",
+                "rows",
+            )
+            answers, at = [a for g in got for a in g], 0
+            for r in part:
+                results[r], at = answers[at : at + len(shared[r])], at + len(shared[r])
+            i += n
+
+    @contextmanager
+    def _precision(self):
+        """No gradients, and lm-eval's autocast where its model class sets one (``mixed_precision_dtype``)."""
+        dtype = getattr(self, "mixed_precision_dtype", None)
+        with torch.no_grad(), torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
+            yield
+
+    def _run_prefix(self, ids: list[int]):
+        """The generation cache of the model after ``ids`` (one row)."""
+        from transformers import DynamicCache
+
+        past = DynamicCache(config=self.model.config)
+        with self._precision():
+            ids = torch.tensor([ids], device=self.device)
+            self.model(ids, use_cache=True, logits_to_keep=1, **{self._cache_keyword: past})
+        return past
+
+    def _logits_at(self, batch: torch.Tensor, keep: list[int], past=None) -> torch.Tensor:
+        if past is not None:  # the rows continue the prefix ``past`` holds: its cache, once per row
+            from transformers import DynamicCache
+
+            rows = batch.shape[0]
+            cache = DynamicCache(config=self.model.config)
+            for i, layer in enumerate(past.layers):
+                cache.update(
+                    layer.keys.expand(rows, *layer.keys.shape[1:]),
+                    layer.values.expand(rows, *layer.values.shape[1:]),
+                    i,
+                )
+            where = "cpu" if self._spread else batch.device
+            with self._precision():
+                keep = torch.tensor(keep, device=where)
+                return self.model(batch, use_cache=True, logits_to_keep=keep, **{self._cache_keyword: cache}).logits
+        return self._logits_whole(batch, keep)
+
+    def _logits_whole(self, batch: torch.Tensor, keep: list[int]) -> torch.Tensor:
         """The logits of ``batch`` at the positions ``keep`` of every row: [rows, len(keep), vocabulary].
         A model whose forward takes ``logits_to_keep`` (transformers' causal LMs) runs its output
         layer on those positions only; another one's full logits are sliced."""
@@ -179,7 +287,7 @@ class BatchedScoring:
         parts = in_halves_on_oom(lambda a, b: self._answers(inputs[a:b], shared[a:b]), len(inputs), "scoring", "rows")
         return [answer for part in parts for answer in part]
 
-    def _answers(self, inputs: list[list[int]], shared: list[list]) -> list[tuple]:
+    def _answers(self, inputs: list[list[int]], shared: list[list], past=None) -> list[tuple]:
         batch = torch.zeros(len(inputs), max(map(len, inputs)), dtype=torch.long)
         for i, x in enumerate(inputs):
             batch[i, : len(x)] = torch.tensor(x)
@@ -194,7 +302,7 @@ class BatchedScoring:
                 tokens += cont
         keep = sorted(set(positions))  # the positions any row needs: the output layer runs on these only
         column = {p: j for j, p in enumerate(keep)}
-        logits = self._logits_at(batch.to(self.device), keep)  # [batch, len(keep), vocabulary]
+        logits = self._logits_at(batch.to(self.device), keep, past)  # [batch, len(keep), vocabulary]
         idx = torch.tensor([rows, [column[p] for p in positions], tokens], dtype=torch.long).to(logits.device)
         logp = F.log_softmax(logits[idx[0], idx[1]], dim=-1, dtype=self.softmax_dtype)  # [tokens, vocabulary]
         del logits  # the next batch's forward must not find this one's logits still held
@@ -212,3 +320,33 @@ class BatchedScoring:
         every = greedy.new_ones(n).index_copy(0, slot, greedy).view(-1, width).all(-1)
         out = torch.stack([total.float(), every.float()]).cpu().tolist()
         return [(k, (s, bool(g))) for k, s, g in zip(keys, out[0], out[1], strict=True)]
+
+
+def prefix_groups(inputs: list[list[int]], ends: list[int], minimum: int) -> list[tuple[int, list[int]]]:
+    """Rows of ``inputs`` grouped by a common prefix of at least ``minimum`` tokens: [(prefix length,
+    row indices)], prefix length 0 for rows scored alone. A row's prefix stops at its ``ends`` entry
+    (the position that predicts its first continuation token must be in its suffix).
+
+    Sorted by their tokens, rows sharing a prefix sit side by side, and the common prefix of a run of
+    them is the least of its neighbours' common prefixes. A run scored on its common prefix P saves
+    P tokens for every row but one; it is split where its neighbours share least when its parts, each
+    on its own longer prefix, save more (a subject's questions on the subject's few-shot prefix, not
+    every row of a task on the task's first words)."""
+    order = sorted(range(len(inputs)), key=lambda i: inputs[i])
+    link = [0] + [min(len(commonprefix([inputs[a], inputs[b]])), ends[a], ends[b]) for a, b in zip(order, order[1:])]
+
+    def place(lo: int, hi: int, depth: int) -> tuple[int, list]:
+        if hi - lo == 1:
+            return 0, [(0, [order[lo]])]
+        m = min(link[lo + 1 : hi])
+        here = m * (hi - lo - 1) if m >= minimum else -1
+        if depth >= 64:  # runs nested this deep (not met in lm-eval's tasks): no further split
+            return (here, [(m, order[lo:hi])]) if here >= 0 else (0, [(0, [i]) for i in order[lo:hi]])
+        cuts = [lo, *(i for i in range(lo + 1, hi) if link[i] == m), hi]
+        saved, groups = 0, []
+        for a, b in zip(cuts, cuts[1:]):
+            s, g = place(a, b, depth + 1)
+            saved, groups = saved + s, groups + g
+        return (here, [(m, order[lo:hi])]) if here >= saved else (saved, groups)
+
+    return place(0, len(order), 0)[1] if order else []
