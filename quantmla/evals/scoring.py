@@ -236,6 +236,8 @@ class BatchedScoring:
         return past
 
     def _logits_at(self, batch: torch.Tensor, keep: list[int], past=None) -> torch.Tensor:
+        """The logits of ``batch`` at the positions ``keep`` of every row, the rows continuing the
+        prefix cached in ``past`` (:meth:`_run_prefix`) where it is given."""
         if past is not None:  # the rows continue the prefix ``past`` holds: its cache, once per row
             from transformers import DynamicCache
 
