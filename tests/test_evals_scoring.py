@@ -216,10 +216,13 @@ def test_rows_sharing_a_prefix_run_it_once_with_the_answers_of_whole_rows(bits, 
         lambda m, args, kw: shapes.append(tuple(kw.get("input_ids", args[0] if args else None).shape)),
         with_kwargs=True,
     )
+    kept = []  # the forward passes run when each answer was handed to lm-eval's cache
+    lm.cache_hook.add_partial = lambda *a: kept.append(len(shapes))
     try:
         got = _answers(lm, SHARING)
     finally:
         hook.remove()
+    assert len(kept) == len(SHARING) and kept[0] < len(shapes)  # kept as each batch ends, not at the end
     assert [g for _, g in got] == [g for _, g in want]
     for (a, _), (b, _) in zip(got, want, strict=True):
         assert abs(a - b) <= 1e-9 * max(1.0, abs(b)), (a, b)

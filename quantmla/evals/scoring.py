@@ -144,23 +144,25 @@ class BatchedScoring:
         size = (override_bs or 0) if auto else self.batch_size
         answers = []
         bar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0, desc="Running loglikelihood requests")
-        if self.scoring_tokens and not auto:
-            items = next(order.get_batched(n=0), [])  # n=0: one list, longest first
-            if self.share_prefix and self._takes_logits_to_keep and not self.all_logits:
-                scored = self._score_sharing_prefixes(items, order)
-            else:
-                scored = (pair for chunk in self._by_tokens(items) for pair in self._score_batch(chunk, order))
-        else:
-            scored = (
-                pair
-                for chunk in order.get_batched(n=size, batch_fn=batch_fn)
-                for pair in self._score_batch(chunk, order)
-            )
-        for key, answer in scored:
-            answers.append(answer)
+
+        def done(key, answer) -> None:  # as each answer comes: kept (a crash loses none), progress
             if key is not None:  # None: a rolling log-likelihood's windows, recorded per document
                 self.cache_hook.add_partial("loglikelihood", key, answer)
             bar.update(1)
+
+        if self.scoring_tokens and not auto:
+            items = next(order.get_batched(n=0), [])  # n=0: one list, longest first
+            if self.share_prefix and self._takes_logits_to_keep and not self.all_logits:
+                answers = [answer for _, answer in self._score_sharing_prefixes(items, order, done)]
+                bar.close()
+                return order.get_original(answers)
+            chunks = self._by_tokens(items)
+        else:
+            chunks = order.get_batched(n=size, batch_fn=batch_fn)
+        for chunk in chunks:
+            for key, answer in self._score_batch(chunk, order):
+                answers.append(answer)
+                done(key, answer)
         bar.close()
         return order.get_original(answers)
 
@@ -174,9 +176,10 @@ class BatchedScoring:
             yield requests[i : i + rows]
             i += rows
 
-    def _score_sharing_prefixes(self, items: list, order):
-        """The answers of ``items`` (lm-eval's order, with the requests sharing their rows), each group
-        of rows with a long common prefix scored on top of that prefix run once (module docstring)."""
+    def _score_sharing_prefixes(self, items: list, order, done) -> list[tuple]:
+        """[(cache key, answer)] of ``items`` in lm-eval's order (each with the requests sharing its
+        row), each group of rows with a long common prefix scored on top of that prefix run once
+        (module docstring); ``done(key, answer)`` as each batch's answers come, in the groups' order."""
         inputs = [self._inputs(context, continuation) for _, context, continuation in items]
         shared = [
             [(k, cont) for k, cont, _ in order.get_cache(req_str=key, cxt_toks=ctx, cont_toks=cont, logits=_NO_LOGITS)]
@@ -190,12 +193,12 @@ class BatchedScoring:
                 alone += rows
                 continue
             past = self._run_prefix(inputs[rows[0]][:P])
-            self._run_rows(sorted(rows, key=lambda r: -len(inputs[r])), inputs, shared, results, past, P)
+            self._run_rows(sorted(rows, key=lambda r: -len(inputs[r])), inputs, shared, results, done, past, P)
             del past
-        self._run_rows(sorted(alone, key=lambda r: -len(inputs[r])), inputs, shared, results)
+        self._run_rows(sorted(alone, key=lambda r: -len(inputs[r])), inputs, shared, results, done)
         return [answer for row in results for answer in row]
 
-    def _run_rows(self, rows: list[int], inputs: list, shared: list, results: list, past=None, P: int = 0) -> None:
+    def _run_rows(self, rows: list[int], inputs: list, shared: list, results: list, done, past=None, P: int = 0):
         """Answer ``rows`` (longest first) in batches of ``scoring_tokens``, each row's answers put at
         its index of ``results``. With ``past`` (the cache of the rows' first ``P`` tokens) each row
         runs its tokens after those, and a batch also stays within four times ``scoring_tokens`` of
@@ -216,6 +219,8 @@ class BatchedScoring:
             answers, at = [a for g in got for a in g], 0
             for r in part:
                 results[r], at = answers[at : at + len(shared[r])], at + len(shared[r])
+            for key, answer in answers:
+                done(key, answer)
             i += n
 
     @contextmanager
