@@ -308,14 +308,16 @@ class CachedHFLM(ReleasesMemory, ResponseCache, Progress, BatchedTokenizer, Batc
     batched tokenization, batched scoring (:mod:`quantmla.evals.scoring`), its own generation batch
     size and memory returned as batches shrink."""
 
-    def _model_call(self, inps, attn_mask=None, labels=None, logits_to_keep=None):
+    def _model_call(self, inps, attn_mask=None, labels=None, logits_to_keep=None, cache=None):
         self._release_if_shrunk(inps)
-        if logits_to_keep is None:
+        if logits_to_keep is None and cache is None:
             return super()._model_call(inps, attn_mask, labels)
-        # a causal model's logits at some positions only (batched scoring), in lm-eval's precision
+        # a causal model's logits at some positions only (batched scoring), continuing the generation
+        # cache ``cache`` where given (a shared prefix), in lm-eval's precision
+        kw = {} if cache is None else {"use_cache": True, self._cache_keyword: cache}
         precision = self.mixed_precision_dtype
         with torch.no_grad(), torch.autocast(self.device.type, dtype=precision, enabled=precision is not None):
-            return self.model(inps, logits_to_keep=logits_to_keep).logits
+            return self.model(inps, logits_to_keep=logits_to_keep, **kw).logits
 
 
 @register_model("quantmla")
@@ -342,14 +344,18 @@ class QuantMLALM(ReleasesMemory, ResponseCache, Progress, BatchedTokenizer, Batc
         )
         self._device = placement.execution_device(pretrained)  # inputs go to the first GPU of a spread model
 
-    def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None, logits_to_keep=None) -> torch.Tensor:
-        # Teacher-forced scoring: no generation cache, the installed attention quantizes the
-        # latent of every position and protects per query (decode-faithful rule). With
-        # ``logits_to_keep`` (batched scoring) the output layer runs on those positions only.
+    def _model_call(
+        self, inps: torch.Tensor, attn_mask=None, labels=None, logits_to_keep=None, cache=None
+    ) -> torch.Tensor:
+        # Teacher-forced scoring: the installed attention quantizes the latent of every position and
+        # protects per query (decode-faithful rule); with ``cache`` (a shared prefix's) over the
+        # cached latents too. With ``logits_to_keep`` (batched scoring) the output layer runs on
+        # those positions only.
         self._release_if_shrunk(inps)
-        keep = {} if logits_to_keep is None else {"logits_to_keep": logits_to_keep}
+        kw = {} if logits_to_keep is None else {"logits_to_keep": logits_to_keep}
+        kw |= {"use_cache": False} if cache is None else {"use_cache": True, self._cache_keyword: cache}
         with torch.no_grad():
-            logits = self.model(inps, use_cache=False, **keep).logits
+            logits = self.model(inps, **kw).logits
         return logits
 
     def _generate(self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs):

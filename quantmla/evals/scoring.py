@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-from contextlib import contextmanager
 from os.path import commonprefix
 
 import torch
@@ -118,11 +117,11 @@ class BatchedScoring:
         self.share_prefix = share_prefix
         # whether the model's output layer can run on some positions only, and whether the indices must
         # be on the CPU (a model spread over devices ends on another one than its inputs)
-        self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
-        self._spread = len({str(d) for d in (getattr(self.model, "hf_device_map", None) or {}).values()}) > 1
-        # the keyword a model's forward takes a cache under: ``cache`` from transformers 5.25, before it
-        # ``past_key_values``
         forward = inspect.signature(self.model.forward).parameters
+        self._takes_logits_to_keep = "logits_to_keep" in forward
+        self._spread = len({str(d) for d in (getattr(self.model, "hf_device_map", None) or {}).values()}) > 1
+        # the keyword the model's forward takes a generation cache under (``_model_call(cache=)``):
+        # ``cache`` from transformers 5.25, ``past_key_values`` before
         self._cache_keyword = "cache" if "cache" in forward else "past_key_values"
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
@@ -168,23 +167,37 @@ class BatchedScoring:
 
     def _by_tokens(self, requests: list):
         """``requests`` (longest first) in batches of at most ``scoring_tokens`` tokens each."""
+        lengths = [min(len(context) + len(continuation) - 1, self.max_length) for _, context, continuation in requests]
+        for a, b in self._token_batches(lengths):
+            yield requests[a:b]
+
+    def _token_batches(self, lengths: list[int], prefix: int = 0):
+        """(start, stop) of consecutive batches of rows of ``lengths`` (longest first), each within
+        ``scoring_tokens`` tokens (rows × its longest) or one row; on top of a cached prefix of
+        ``prefix`` tokens also within four times that many keys (rows × (prefix + its longest)),
+        which the attention reads."""
         i = 0
-        while i < len(requests):
-            _, context, continuation = requests[i]
-            longest = min(len(context) + len(continuation) - 1, self.max_length)
-            rows = max(1, self.scoring_tokens // longest)
-            yield requests[i : i + rows]
-            i += rows
+        while i < len(lengths):
+            n = self.scoring_tokens // lengths[i]
+            if prefix:
+                n = min(n, 4 * self.scoring_tokens // (prefix + lengths[i]))
+            yield i, i + max(1, n)
+            i += max(1, n)
+
+    def _shared(self, chunk: list, order) -> list[list]:
+        """Each request's row's answers: its own (cache key, continuation) and those of the requests
+        lm-eval's context grouping answers from the same row."""
+        return [
+            [(k, cont) for k, cont, _ in order.get_cache(req_str=key, cxt_toks=ctx, cont_toks=cont, logits=_NO_LOGITS)]
+            for key, ctx, cont in chunk
+        ]
 
     def _score_sharing_prefixes(self, items: list, order, done) -> list[tuple]:
         """[(cache key, answer)] of ``items`` in lm-eval's order (each with the requests sharing its
         row), each group of rows with a long common prefix scored on top of that prefix run once
         (module docstring); ``done(key, answer)`` as each batch's answers come, in the groups' order."""
         inputs = [self._inputs(context, continuation) for _, context, continuation in items]
-        shared = [
-            [(k, cont) for k, cont, _ in order.get_cache(req_str=key, cxt_toks=ctx, cont_toks=cont, logits=_NO_LOGITS)]
-            for key, ctx, cont in items
-        ]
+        shared = self._shared(items, order)
         ends = [len(x) - max(len(c) for _, c in row) for x, row in zip(inputs, shared, strict=True)]
         results: list = [None] * len(items)
         alone = []
@@ -200,14 +213,10 @@ class BatchedScoring:
 
     def _run_rows(self, rows: list[int], inputs: list, shared: list, results: list, done, past=None, P: int = 0):
         """Answer ``rows`` (longest first) in batches of ``scoring_tokens``, each row's answers put at
-        its index of ``results``. With ``past`` (the cache of the rows' first ``P`` tokens) each row
-        runs its tokens after those, and a batch also stays within four times ``scoring_tokens`` of
-        keys (rows × (P + its longest suffix)), which the attention reads."""
-        i = 0
-        while i < len(rows):
-            longest = len(inputs[rows[i]]) - P
-            n = max(1, min(self.scoring_tokens // longest, 4 * self.scoring_tokens // (P + longest)))
-            part = rows[i : i + n]
+        its index of ``results``; with ``past`` (the cache of the rows' first ``P`` tokens) each row
+        runs its tokens after those."""
+        for lo, hi in self._token_batches([len(inputs[r]) - P for r in rows], P):
+            part = rows[lo:hi]
             got = in_halves_on_oom(
                 lambda a, b, part=part: self._answers(
                     [inputs[r][P:] for r in part[a:b]], [shared[r] for r in part[a:b]], past
@@ -221,53 +230,36 @@ class BatchedScoring:
                 results[r], at = answers[at : at + len(shared[r])], at + len(shared[r])
             for key, answer in answers:
                 done(key, answer)
-            i += n
-
-    @contextmanager
-    def _precision(self):
-        """No gradients, and lm-eval's autocast where its model class sets one (``mixed_precision_dtype``)."""
-        dtype = getattr(self, "mixed_precision_dtype", None)
-        with torch.no_grad(), torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
-            yield
 
     def _run_prefix(self, ids: list[int]):
         """The generation cache of the model after ``ids`` (one row)."""
         from transformers import DynamicCache
 
         past = DynamicCache(config=self.model.config)
-        with self._precision():
-            ids = torch.tensor([ids], device=self.device)
-            self.model(ids, use_cache=True, logits_to_keep=1, **{self._cache_keyword: past})
+        self._model_call(torch.tensor([ids], device=self.device), logits_to_keep=1, cache=past)
         return past
 
     def _logits_at(self, batch: torch.Tensor, keep: list[int], past=None) -> torch.Tensor:
-        """The logits of ``batch`` at the positions ``keep`` of every row, the rows continuing the
-        prefix cached in ``past`` (:meth:`_run_prefix`) where it is given."""
-        if past is not None:  # the rows continue the prefix ``past`` holds: its cache, once per row
+        """The logits of ``batch`` at the positions ``keep`` of every row: [rows, len(keep), vocabulary].
+        A model whose forward takes ``logits_to_keep`` (transformers' causal LMs) runs its output
+        layer on those positions only; another one's full logits are sliced. With ``past``
+        (:meth:`_run_prefix`) the rows continue the prefix it holds, its cache expanded to them."""
+        if past is None and (self.all_logits or not self._takes_logits_to_keep):
+            return self._model_call(batch)[:, keep]
+        cache = None
+        if past is not None:
             from transformers import DynamicCache
 
-            rows = batch.shape[0]
             cache = DynamicCache(config=self.model.config)
+            rows = batch.shape[0]
             for i, layer in enumerate(past.layers):
                 cache.update(
                     layer.keys.expand(rows, *layer.keys.shape[1:]),
                     layer.values.expand(rows, *layer.values.shape[1:]),
                     i,
                 )
-            where = "cpu" if self._spread else batch.device
-            with self._precision():
-                keep = torch.tensor(keep, device=where)
-                return self.model(batch, use_cache=True, logits_to_keep=keep, **{self._cache_keyword: cache}).logits
-        return self._logits_whole(batch, keep)
-
-    def _logits_whole(self, batch: torch.Tensor, keep: list[int]) -> torch.Tensor:
-        """The logits of ``batch`` at the positions ``keep`` of every row: [rows, len(keep), vocabulary].
-        A model whose forward takes ``logits_to_keep`` (transformers' causal LMs) runs its output
-        layer on those positions only; another one's full logits are sliced."""
-        if not self.all_logits and self._takes_logits_to_keep:
-            where = "cpu" if self._spread else batch.device
-            return self._model_call(batch, logits_to_keep=torch.tensor(keep, device=where))
-        return self._model_call(batch)[:, keep]
+        where = "cpu" if self._spread else batch.device
+        return self._model_call(batch, logits_to_keep=torch.tensor(keep, device=where), cache=cache)
 
     def _inputs(self, context: list[int], continuation: list[int]) -> list[int]:
         assert context and continuation and len(continuation) <= self.max_length
@@ -286,11 +278,7 @@ class BatchedScoring:
     def _score_batch(self, chunk, order) -> list[tuple]:
         """[(cache key, (log-likelihood, greedy))] of a batch's requests and of those sharing their rows."""
         inputs = [self._inputs(context, continuation) for _, context, continuation in chunk]
-        # each row's answers: its own request's and those of the requests that share the row
-        shared = [
-            [(k, cont) for k, cont, _ in order.get_cache(req_str=key, cxt_toks=ctx, cont_toks=cont, logits=_NO_LOGITS)]
-            for key, ctx, cont in chunk
-        ]
+        shared = self._shared(chunk, order)
         parts = in_halves_on_oom(lambda a, b: self._answers(inputs[a:b], shared[a:b]), len(inputs), "scoring", "rows")
         return [answer for part in parts for answer in part]
 
