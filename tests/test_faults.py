@@ -115,15 +115,47 @@ def _check_records(runs: Path, expected: dict[str, dict], n: int = 4) -> dict[st
     return got
 
 
+def _run_dir(work: Path, runs: Path, overrides: list[str]) -> Path:
+    """The record folder a launch with ``overrides`` (and the small settings) computes."""
+    from hydra import compose, initialize_config_dir
+
+    from quantmla.run import conf_dir, plan
+
+    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
+        cfg = compose("run", overrides=[*_small(work / "cal.txt"), f"runs_dir={runs}", *overrides])
+    return plan(cfg).run_record().dir
+
+
 @pytest.fixture(scope="module")
 def reference(work):
-    """Two identical sweeps launched at once (jobs in other orders), in a fresh folder."""
+    """Two identical sweeps launched at once (jobs in other orders), in a fresh folder.
+
+    The run both sweeps take second (C4R4, 128 recent) is locked here, as another process computing it
+    would, until both launches say they wait for it: each then meets the other at it, however fast
+    their first jobs were on the machine."""
+    from filelock import FileLock
+
+    from quantmla.files import LOCK_NAME
+
     runs = work / "concurrent"
+    held = _run_dir(work, runs, ["bits=c4r4", "protect.recent=128"])
+    held.mkdir(parents=True)
+    lock = FileLock(str(held / LOCK_NAME))
+    lock.acquire()
     start = time.monotonic()
     a, b = _launch(work, runs, SWEEP_A, "a.log"), _launch(work, runs, SWEEP_B, "b.log")
+    try:
+        waiting = f"waiting for run {held.name}"
+        while time.monotonic() - start < 300 and a.proc.is_alive() and b.proc.is_alive():
+            if waiting in a.output() and waiting in b.output():
+                break
+            time.sleep(0.1)
+    finally:
+        lock.release()
     codes = a.wait(), b.wait()
     FAULTS["concurrent launches"] += 2
-    return SimpleNamespace(runs=runs, codes=codes, logs=(a.output(), b.output()), seconds=time.monotonic() - start)
+    logs = (a.output(), b.output())
+    return SimpleNamespace(runs=runs, codes=codes, logs=logs, held=held.name, seconds=time.monotonic() - start)
 
 
 def test_concurrent_identical_sweeps_compute_each_run_once(reference):
@@ -137,7 +169,9 @@ def test_concurrent_identical_sweeps_compute_each_run_once(reference):
     both = "".join(reference.logs)
     assert both.count("QuantMLA RoPE path step 100/100") == 1  # the shared RoPE transforms learned once
     assert both.count("QuantMLA content path step 100/100") == 2  # C4 and C2
-    assert "waiting for " in both and "skip " in both  # the second process said what it waited for
+    for log in reference.logs:  # each said what it waited for; the one that did not compute it skipped it
+        assert f"waiting for run {reference.held}" in log, log[-3000:]
+    assert f"skip {reference.held} (done by another process while this one waited)" in both
     assert len(list((reference.runs / "main" / ".hydra").iterdir())) == 2  # a Hydra folder per launch
 
 
