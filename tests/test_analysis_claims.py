@@ -77,6 +77,26 @@ def test_table1_claims_on_the_papers_own_numbers(tmp_path):
     assert "64.42 vs SmoothQuant† 57.22" in lead.ours and "Δ +7.20" in lead.ours
 
 
+def test_c2r4_lead_names_what_protecting_the_baselines_leaves_of_it(tmp_path):
+    """Under the paper's convention (baselines unprotected) DeepSeek-V2-Lite's C2R4 lead holds (+7.20).
+    With RTN protected too at QuantMLA's score + 0.05, the note says no lead is resolved over it and
+    names the baselines not run protected; with every baseline protected 2 points below, a lead."""
+    row = P.TABLE1[("deepseek_v2_lite", "C2R4", "quantmla")]
+    near, below = tmp_path / "near", tmp_path / "below"
+    for root in (near, below):
+        _table1(root, "deepseek_v2_lite")
+    _suite_record(near, "deepseek_v2_lite", "c2r4", "rtn", True, row, 0.05)
+    for method in ("rtn", "smoothquant", "quarot"):
+        _suite_record(below, "deepseek_v2_lite", "c2r4", method, True, row, -2.0)
+    (lead,) = [c for c in claims.check(near) if c.name == "lead-c2r4"]
+    assert lead.verdict == "holds", lead
+    assert "over the baselines protected too: no resolved lead (vs RTN 64.47, Δ -0.05" in lead.note, lead.note
+    assert "SmoothQuant†, QuaRot† protected not run" in lead.note
+    (lead,) = [c for c in claims.check(below) if c.name == "lead-c2r4"]
+    assert "over the baselines protected too: lead (vs " in lead.note and "Δ +2.00" in lead.note, lead.note
+    assert "not run" not in lead.note
+
+
 def test_no_floor_is_not_measurable_and_missing_runs_are_not_run(tmp_path):
     _table1(tmp_path, "deepseek_v2_lite", with_floor=False)
     found = _by_name(claims.check(tmp_path))
