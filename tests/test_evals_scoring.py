@@ -202,9 +202,10 @@ SHARING = [
     "bits, protect", [(None, True), ("c2r4", True), ("c2r4", False)], ids=["native", "c2r4", "c2r4-unprotected"]
 )
 def test_rows_sharing_a_prefix_run_it_once_with_the_answers_of_whole_rows(bits, protect):
-    """``share_prefix``: each subject's prefix runs once (one row) and its questions run on top of it;
-    in float64 every answer equals whole-row scoring's to rounding, so quantization and the
-    protection rule see the same tokens at the same positions across the prefix boundary."""
+    """``share_prefix``: the subjects' prefixes run once, together in one pass, and each subject's
+    questions run on top of its own; in float64 every answer equals whole-row scoring's to rounding,
+    so quantization and the protection rule see the same tokens at the same positions across the
+    prefix boundary, and the shorter prefix nothing of the padding after it."""
     model, tok = build(dtype=torch.float64)
     if bits:
         attention.install(model, CacheSpec.parse(bits, protect=protect))
@@ -227,13 +228,35 @@ def test_rows_sharing_a_prefix_run_it_once_with_the_answers_of_whole_rows(bits, 
     for (a, _), (b, _) in zip(got, want, strict=True):
         assert abs(a - b) <= 1e-9 * max(1.0, abs(b)), (a, b)
     prefixes = sorted(len(tok.encode(x)) for x in SHOTS)
-    single = sorted(n for r, n in shapes if r == 1 and n >= prefixes[0])
-    assert len(single) == 2  # each subject's prefix once
-    assert all(p <= n < p + 16 for p, n in zip(prefixes, single))  # the common prefix, not a whole question
+    assert prefixes[1] - prefixes[0] > 8  # the padding of the shorter prefix is not a token or two
+    ((rows, n),) = [(r, n) for r, n in shapes if n >= prefixes[0]]  # both prefixes in one pass, once
+    assert rows == 2 and prefixes[1] <= n < prefixes[1] + 16  # the common prefix, not a whole question
     # the questions' rows after their prefix: a few tokens each, not the prefix again
     rows_after = [(r, n) for r, n in shapes if n < 40 and r > 1]
     assert sum(r for r, _ in rows_after) >= 2 * 4 * 2  # 4 questions x 2 rows (ABCD, the latent) x 2 subjects
     assert sum(r * n for r, n in shapes) < 0.5 * sum(len(tok.encode(c + a)) for c, a in SHARING)
+
+
+def test_prefixes_beyond_one_token_batch_run_in_several_passes():
+    """With a token budget that holds one prefix, each runs in a pass of its own; answers unchanged."""
+    model, tok = build(dtype=torch.float64)
+    attention.install(model, CacheSpec.parse("c2r4"))
+    want = _answers(language_model(model, tok, batch_size=4, max_length=512, scoring_tokens=2048), SHARING)
+    budget = max(len(tok.encode(x)) for x in SHOTS) + 20
+    lm = language_model(model, tok, batch_size=4, max_length=512, scoring_tokens=budget, share_prefix=64)
+    shapes = []
+    hook = model.model.register_forward_pre_hook(
+        lambda m, args, kw: shapes.append(tuple(kw.get("input_ids", args[0] if args else None).shape)),
+        with_kwargs=True,
+    )
+    try:
+        got = _answers(lm, SHARING)
+    finally:
+        hook.remove()
+    assert sorted(r for r, n in shapes if n >= min(len(tok.encode(x)) for x in SHOTS)) == [1, 1]
+    assert [g for _, g in got] == [g for _, g in want]
+    for (a, _), (b, _) in zip(got, want, strict=True):
+        assert abs(a - b) <= 1e-9 * max(1.0, abs(b)), (a, b)
 
 
 def test_prefix_groups_hold_rows_sharing_at_least_the_minimum():

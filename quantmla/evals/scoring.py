@@ -26,8 +26,9 @@ the only kind the multiple-choice tasks make, is the same either way.
 ``share_prefix`` scores a prefix that many requests repeat once: MMLU 5-shot's rows repeat their
 subject's 5-shot prefix, 85 % of its 10.1M tokens (docs/reproduction.md). Rows that share at least
 ``share_prefix`` leading tokens (after truncation, the tokens actually scored) run their common prefix
-once, through a transformers ``DynamicCache``; their suffixes then run on top of it, right-padded, the
-cache expanded to the batch. The installed attention attends a step's queries over the cached and new
+once, through a transformers ``DynamicCache`` (several groups' prefixes right-padded in one pass, each
+group's cache cut at its own length); their suffixes then run on top of it, right-padded, the cache
+expanded to the batch. The installed attention attends a step's queries over the cached and new
 latents (:func:`quantmla.kernels.attend`, queries the last columns), so quantization (per token) and
 the decode-faithful protection rule (per query and key position) are those of the whole row; only the
 shapes of the products change, so answers equal whole-row scoring up to rounding
@@ -200,14 +201,19 @@ class BatchedScoring:
         shared = self._shared(items, order)
         ends = [len(x) - max(len(c) for _, c in row) for x, row in zip(inputs, shared, strict=True)]
         results: list = [None] * len(items)
-        alone = []
-        for P, rows in prefix_groups(inputs, ends, self.share_prefix):
-            if not P:
-                alone += rows
-                continue
-            past = self._run_prefix(inputs[rows[0]][:P])
-            self._run_rows(sorted(rows, key=lambda r: -len(inputs[r])), inputs, shared, results, done, past, P)
-            del past
+        groups = prefix_groups(inputs, ends, self.share_prefix)
+        alone = [r for P, rows in groups if not P for r in rows]
+        groups = sorted(((P, rows) for P, rows in groups if P), key=lambda g: -g[0])
+        # the groups' prefixes, longest first, as rows of token batches: a pass runs several prefixes
+        for lo, hi in self._token_batches([P for P, _ in groups]):
+            part = groups[lo:hi]
+            prefixes = [inputs[rows[0]][:P] for P, rows in part]
+            pasts = in_halves_on_oom(
+                lambda a, b, prefixes=prefixes: self._run_prefixes(prefixes[a:b]), len(part), "prefixes", "rows"
+            )
+            for (P, rows), past in zip(part, (p for half in pasts for p in half), strict=True):
+                self._run_rows(sorted(rows, key=lambda r: -len(inputs[r])), inputs, shared, results, done, past, P)
+            del pasts
         self._run_rows(sorted(alone, key=lambda r: -len(inputs[r])), inputs, shared, results, done)
         return [answer for row in results for answer in row]
 
@@ -231,19 +237,31 @@ class BatchedScoring:
             for key, answer in answers:
                 done(key, answer)
 
-    def _run_prefix(self, ids: list[int]):
-        """The generation cache of the model after ``ids`` (one row)."""
+    def _run_prefixes(self, prefixes: list[list[int]]) -> list[list[tuple]]:
+        """Each prefix's cache as [(keys, values) of one row] per layer, from one pass over the
+        prefixes right-padded to the longest: causal attention keeps a row's positions blind to the
+        padding after them, and each row's cache stops at its own length."""
         from transformers import DynamicCache
 
+        batch = torch.zeros(len(prefixes), max(map(len, prefixes)), dtype=torch.long)
+        for i, x in enumerate(prefixes):
+            batch[i, : len(x)] = torch.tensor(x)
         past = DynamicCache(config=self.model.config)
-        self._model_call(torch.tensor([ids], device=self.device), logits_to_keep=1, cache=past)
-        return past
+        self._model_call(batch.to(self.device), logits_to_keep=1, cache=past)
+        return [
+            [
+                (layer.keys[i : i + 1, ..., : len(x), :], layer.values[i : i + 1, ..., : len(x), :])
+                for layer in past.layers
+            ]
+            for i, x in enumerate(prefixes)
+        ]
 
     def _logits_at(self, batch: torch.Tensor, keep: list[int], past=None) -> torch.Tensor:
         """The logits of ``batch`` at the positions ``keep`` of every row: [rows, len(keep), vocabulary].
         A model whose forward takes ``logits_to_keep`` (transformers' causal LMs) runs its output
-        layer on those positions only; another one's full logits are sliced. With ``past``
-        (:meth:`_run_prefix`) the rows continue the prefix it holds, its cache expanded to them."""
+        layer on those positions only; another one's full logits are sliced. With ``past`` (a
+        prefix's cache from :meth:`_run_prefixes`) the rows continue that prefix, its cache expanded
+        to them."""
         if past is None and (self.all_logits or not self._takes_logits_to_keep):
             return self._model_call(batch)[:, keep]
         cache = None
@@ -252,12 +270,8 @@ class BatchedScoring:
 
             cache = DynamicCache(config=self.model.config)
             rows = batch.shape[0]
-            for i, layer in enumerate(past.layers):
-                cache.update(
-                    layer.keys.expand(rows, *layer.keys.shape[1:]),
-                    layer.values.expand(rows, *layer.values.shape[1:]),
-                    i,
-                )
+            for i, (keys, values) in enumerate(past):
+                cache.update(keys.expand(rows, *keys.shape[1:]), values.expand(rows, *values.shape[1:]), i)
         where = "cpu" if self._spread else batch.device
         return self._model_call(batch, logits_to_keep=torch.tensor(keep, device=where), cache=cache)
 
