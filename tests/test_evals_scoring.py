@@ -1,6 +1,7 @@
 """Batched log-likelihood scoring answers as lm-eval's own loop does (quantmla.evals.scoring)."""
 
 import os
+from contextlib import contextmanager
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
@@ -198,6 +199,20 @@ SHARING = [
 ] + [("The quick brown fox", " jumps over the lazy dog"), ("Hi", "!"), (TEXT, " The end.")]
 
 
+@contextmanager
+def _pass_shapes(model):
+    """The (rows, tokens) of every forward pass of ``model``'s decoder while the block runs."""
+    shapes = []
+    hook = model.model.register_forward_pre_hook(
+        lambda m, args, kw: shapes.append(tuple(kw.get("input_ids", args[0] if args else None).shape)),
+        with_kwargs=True,
+    )
+    try:
+        yield shapes
+    finally:
+        hook.remove()
+
+
 @pytest.mark.parametrize(
     "bits, protect", [(None, True), ("c2r4", True), ("c2r4", False)], ids=["native", "c2r4", "c2r4-unprotected"]
 )
@@ -212,17 +227,10 @@ def test_rows_sharing_a_prefix_run_it_once_with_the_answers_of_whole_rows(bits, 
     whole = language_model(model, tok, batch_size=4, max_length=512, scoring_tokens=2048)
     want = _answers(whole, SHARING)
     lm = language_model(model, tok, batch_size=4, max_length=512, scoring_tokens=2048, share_prefix=64)
-    shapes = []
-    hook = model.model.register_forward_pre_hook(
-        lambda m, args, kw: shapes.append(tuple(kw.get("input_ids", args[0] if args else None).shape)),
-        with_kwargs=True,
-    )
     kept = []  # the forward passes run when each answer was handed to lm-eval's cache
-    lm.cache_hook.add_partial = lambda *a: kept.append(len(shapes))
-    try:
+    with _pass_shapes(model) as shapes:
+        lm.cache_hook.add_partial = lambda *a: kept.append(len(shapes))
         got = _answers(lm, SHARING)
-    finally:
-        hook.remove()
     assert len(kept) == len(SHARING) and kept[0] < len(shapes)  # kept as each batch ends, not at the end
     assert [g for _, g in got] == [g for _, g in want]
     for (a, _), (b, _) in zip(got, want, strict=True):
@@ -244,15 +252,8 @@ def test_prefixes_beyond_one_token_batch_run_in_several_passes():
     want = _answers(language_model(model, tok, batch_size=4, max_length=512, scoring_tokens=2048), SHARING)
     budget = max(len(tok.encode(x)) for x in SHOTS) + 20
     lm = language_model(model, tok, batch_size=4, max_length=512, scoring_tokens=budget, share_prefix=64)
-    shapes = []
-    hook = model.model.register_forward_pre_hook(
-        lambda m, args, kw: shapes.append(tuple(kw.get("input_ids", args[0] if args else None).shape)),
-        with_kwargs=True,
-    )
-    try:
+    with _pass_shapes(model) as shapes:
         got = _answers(lm, SHARING)
-    finally:
-        hook.remove()
     assert sorted(r for r, n in shapes if n >= min(len(tok.encode(x)) for x in SHOTS)) == [1, 1]
     assert [g for _, g in got] == [g for _, g in want]
     for (a, _), (b, _) in zip(got, want, strict=True):

@@ -243,11 +243,8 @@ class BatchedScoring:
         padding after them, and each row's cache stops at its own length."""
         from transformers import DynamicCache
 
-        batch = torch.zeros(len(prefixes), max(map(len, prefixes)), dtype=torch.long)
-        for i, x in enumerate(prefixes):
-            batch[i, : len(x)] = torch.tensor(x)
         past = DynamicCache(config=self.model.config)
-        self._model_call(batch.to(self.device), logits_to_keep=1, cache=past)
+        self._model_call(_right_padded(prefixes).to(self.device), logits_to_keep=1, cache=past)
         return [
             [
                 (layer.keys[i : i + 1, ..., : len(x), :], layer.values[i : i + 1, ..., : len(x), :])
@@ -297,9 +294,7 @@ class BatchedScoring:
         return [answer for part in parts for answer in part]
 
     def _answers(self, inputs: list[list[int]], shared: list[list], past=None) -> list[tuple]:
-        batch = torch.zeros(len(inputs), max(map(len, inputs)), dtype=torch.long)
-        for i, x in enumerate(inputs):
-            batch[i, : len(x)] = torch.tensor(x)
+        batch = _right_padded(inputs)
 
         keys, conts, rows, positions, tokens = [], [], [], [], []
         for i, (x, answers) in enumerate(zip(inputs, shared, strict=True)):
@@ -329,6 +324,15 @@ class BatchedScoring:
         every = greedy.new_ones(n).index_copy(0, slot, greedy).view(-1, width).all(-1)
         out = torch.stack([total.float(), every.float()]).cpu().tolist()
         return [(k, (s, bool(g))) for k, s, g in zip(keys, out[0], out[1], strict=True)]
+
+
+def _right_padded(rows: list[list[int]]) -> torch.Tensor:
+    """Token rows as one [rows, longest] batch, zeros after each row's end (causal attention keeps a
+    row's positions blind to what follows them)."""
+    batch = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
+    for i, x in enumerate(rows):
+        batch[i, : len(x)] = torch.tensor(x)
+    return batch
 
 
 def prefix_groups(inputs: list[list[int]], ends: list[int], minimum: int) -> list[tuple[int, list[int]]]:
