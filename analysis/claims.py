@@ -218,16 +218,22 @@ def c2r4_lead(rows: dict) -> list[Claim]:
         if q is None or any(r is None for _, r in base):
             out.append(c)
             continue
-        cols = shared_columns([q] + [r for _, r in base])
-        sq = score(q, cols)
-        bs = {m: score(r, cols) for m, r in base}
-        best = max(bs, key=lambda m: bs[m].value.value)
-        cmp = N.compare(sq.value, bs[best].value, floor(rows, model, "C2R4"))
-        c.ours = f"{sq.value.value:.2f} vs {PT.METHODS[best]} {bs[best].value.value:.2f}, {_ci(cmp)}; {_tasks(cols)}"
+        cols, sq, best, cmp = _over_best(rows, model, q, base)
+        c.ours = f"{sq.value.value:.2f} vs {PT.METHODS[best[0]]} {best[1].value.value:.2f}, {_ci(cmp)}; {_tasks(cols)}"
         c.verdict = ("holds" if cmp.delta > 0 else "does not hold") if cmp.resolved else "not measurable"
         c.note = "; ".join(x for x in (_lead_protected(rows, model, q), off_recipe([q] + [r for _, r in base])) if x)
         out.append(c)
     return out
+
+
+def _over_best(rows: dict, model: str, q: PT.Row, base: list[tuple[str, PT.Row]]):
+    """(columns, QuantMLA's score, (best baseline, its score), the comparison) of ``q`` against the
+    best of ``base`` at C2R4, over the columns all of them have."""
+    cols = shared_columns([q] + [r for _, r in base])
+    bs = {m: score(r, cols) for m, r in base}
+    best = max(bs, key=lambda m: bs[m].value.value)
+    sq = score(q, cols)
+    return cols, sq, (best, bs[best]), N.compare(sq.value, bs[best].value, floor(rows, model, "C2R4"))
 
 
 def _lead_protected(rows: dict, model: str, q: PT.Row) -> str:
@@ -237,15 +243,11 @@ def _lead_protected(rows: dict, model: str, q: PT.Row) -> str:
     have = [(m, r) for m, r in same if r is not None]
     if not have:
         return ""
-    cols = shared_columns([q] + [r for _, r in have])
-    bs = {m: score(r, cols) for m, r in have}
-    best = max(bs, key=lambda m: bs[m].value.value)
-    cmp = N.compare(score(q, cols).value, bs[best].value, floor(rows, model, "C2R4"))
+    _, _, (best, bs), cmp = _over_best(rows, model, q, have)
     said = "lead" if cmp.resolved and cmp.delta > 0 else "behind" if cmp.resolved else "no resolved lead"
     missing = [PT.METHODS[m] for m, r in same if r is None]
-    return (
-        f"over the baselines protected too: {said} (vs {PT.METHODS[best]} {bs[best].value.value:.2f}, {_ci(cmp)})"
-        + (f"; {', '.join(missing)} protected not run" if missing else "")
+    return f"over the baselines protected too: {said} (vs {PT.METHODS[best]} {bs.value.value:.2f}, {_ci(cmp)})" + (
+        f"; {', '.join(missing)} protected not run" if missing else ""
     )
 
 
