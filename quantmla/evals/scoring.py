@@ -329,10 +329,8 @@ class BatchedScoring:
 def _right_padded(rows: list[list[int]]) -> torch.Tensor:
     """Token rows as one [rows, longest] batch, zeros after each row's end (causal attention keeps a
     row's positions blind to what follows them)."""
-    batch = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
-    for i, x in enumerate(rows):
-        batch[i, : len(x)] = torch.tensor(x)
-    return batch
+    n = max(map(len, rows))
+    return torch.tensor([x + [0] * (n - len(x)) for x in rows], dtype=torch.long)
 
 
 def prefix_groups(inputs: list[list[int]], ends: list[int], minimum: int) -> list[tuple[int, list[int]]]:
