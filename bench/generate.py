@@ -4,6 +4,8 @@
     python bench/generate.py --layers 4 --new 32      # a quick look
     python bench/generate.py --exact                  # also C4R4 and C2R4 with exact=True (the exact kernels)
     python bench/generate.py --profile                # also where the host's time goes (cProfile)
+    python bench/generate.py --graphs                 # also each format through quantmla.generate.greedy
+                                                      # (the decode step replayed as one CUDA graph)
 
 A randomly initialised DeepseekV2 model (hidden 2048, 16 heads, d_c 512, d_r 64, dense MLPs,
 no hub) generates ``--new`` tokens for ``--batch`` prompts of ``--prompt`` tokens with
@@ -36,6 +38,7 @@ from decode import run_meta, write_record  # noqa: E402
 
 from quantmla import attention  # noqa: E402
 from quantmla.cache import CacheSpec  # noqa: E402
+from quantmla.generate import greedy  # noqa: E402
 from quantmla.models.tiny import lite_config  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -51,41 +54,47 @@ def build(layers: int, hidden: int, heads: int, vocab: int, seed: int = 0):
     return model.eval()
 
 
-def generate(model, ids, new: int, paged: bool):
+def generate(model, ids, new: int, paged: bool, graphs: bool = False):
     kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, attention_mask=torch.ones_like(ids))
     if paged:
         kw[attention.cache_keyword()] = attention.new_cache(model, ids.shape[0], ids.shape[1] + new)
+    if graphs:
+        kw["custom_generate"] = greedy
     with torch.no_grad():
         return model.generate(ids, **kw)
 
 
-def timed(model, ids, new: int, paged: bool) -> float:
+def timed(model, ids, new: int, paged: bool, graphs: bool = False) -> float:
     torch.cuda.synchronize()
     t = time.perf_counter()
-    generate(model, ids, new, paged)
+    generate(model, ids, new, paged, graphs)
     torch.cuda.synchronize()
     return (time.perf_counter() - t) * 1e3
 
 
-def syncs(model, ids, new: int, paged: bool) -> int:
+def syncs(model, ids, new: int, paged: bool, graphs: bool = False) -> int:
     """Synchronising CUDA calls the host makes during one ``generate`` of ``new`` tokens."""
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            generate(model, ids, new, paged)
+            generate(model, ids, new, paged, graphs)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     return sum("synchronizing" in str(w.message) for w in caught)
 
 
-def measure(model, ids, new: int, paged: bool, repeats: int) -> dict:
-    generate(model, ids, 4, paged)  # compile and warm up
-    one = statistics.median(timed(model, ids, 1, paged) for _ in range(repeats))
-    full = statistics.median(timed(model, ids, new, paged) for _ in range(repeats))
-    per_step = (syncs(model, ids, 9, paged) - syncs(model, ids, 1, paged)) / 8
+def measure(model, ids, new: int, paged: bool, repeats: int, graphs: bool = False) -> dict:
+    generate(model, ids, 4, paged, graphs)  # compile and warm up
+    one = statistics.median(timed(model, ids, 1, paged, graphs) for _ in range(repeats))
+    full = statistics.median(timed(model, ids, new, paged, graphs) for _ in range(repeats))
+    per_step = (syncs(model, ids, 9, paged, graphs) - syncs(model, ids, 1, paged, graphs)) / 8
     ms = (full - one) / (new - 1)
-    return {"prefill_ms": one, "total_ms": full, "decode_ms_per_token": ms, "syncs_per_decode_step": per_step}
+    row = {"prefill_ms": one, "total_ms": full, "decode_ms_per_token": ms, "syncs_per_decode_step": per_step}
+    if graphs:  # the tokens against generate's own loop over the same cache (the split plan may round apart)
+        a, b = generate(model, ids, new, paged), generate(model, ids, new, paged, graphs)
+        row["same_tokens_as_generate"] = float((a == b).float().mean())
+    return row
 
 
 def profile(model, ids, new: int, paged: bool, top: int = 30) -> str:
@@ -121,6 +130,7 @@ def main(argv=None) -> None:
     ap.add_argument("--exact", action="store_true", help="also each quantized format with exact=True")
     ap.add_argument("--profile", action="store_true", help="also print each row's host profile (cProfile)")
     ap.add_argument("--no-native", action="store_true", help="skip transformers' own attention")
+    ap.add_argument("--graphs", action="store_true", help="also each format through quantmla.generate.greedy")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -153,6 +163,9 @@ def main(argv=None) -> None:
         print(name, rows[name], flush=True)
         if args.profile:
             print(profile(model, ids, args.new, True), flush=True)
+        if args.graphs:
+            rows[name + "_graphs"] = measure(model, ids, args.new, True, args.repeats, graphs=True)
+            print(name + "_graphs", rows[name + "_graphs"], flush=True)
         attention.uninstall(model)
     meta["rows"] = rows
     write_record(meta, "generate", stamp, args.out)

@@ -79,6 +79,11 @@ class LatentAttention(Adapted):
             q_pe = q_pe @ self.rope_transform.to(q_pe.dtype)
             K_P = K_P @ self.rope_transform.to(K_P.dtype)
         q_lat = self.mla.absorb(q_nope)
+        if isinstance(cache, LatentCache) and cache.static is not None:
+            # a static decode step (LatentCache.reserve): one real token per request by contract, so the
+            # mask is not read (reading it waits for the device, which a CUDA graph cannot)
+            o_lat = cache.attend(self.layer_idx, self.spec, q_lat, q_pe, C, K_P, None, self.mla.tau, self.backend)
+            return self.mla.output(o_lat), None
         if isinstance(cache, LatentCache):
             n, L = C.shape[2], cache.get_seq_length(self.layer_idx) + C.shape[2]
             # every layer of a step gets the same mask: check it once (each check reads the device)

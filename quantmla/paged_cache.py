@@ -105,12 +105,42 @@ class LatentCache(Cache):
         self.step_validity: tuple | None = None
         self._step_counts: tuple | None = None
         self._rows: dict[torch.device, torch.Tensor] = {}
+        # After reserve(): the capacity every request's pages hold, and the decode steps taken since
+        self.static: int | None = None
+        self.static_steps = 0
 
     def reset(self) -> None:
         """Empty the cache for a new batch (every layer's pages go; the page numbering restarts)."""
         super().reset()
         self.pages, self.next_page, self.block_table, self._tables = [], 0, None, {}
         self.step_validity = self._step_counts = None
+        self.static, self.static_steps = None, 0
+
+    # ----- static decoding (a step that can be captured in a CUDA graph) -------------------------
+    def reserve(self, max_length: int) -> None:
+        """Give every request pages for ``max_length`` tokens now and fix the decode steps' shape, so
+        that a decode step reads nothing from the host that changes between steps: no page is
+        allocated later, each layer's lengths advance in place on the device, and the decode kernel
+        is planned for ``max_length`` (a request's own length bounds what it reads). After this the
+        cache takes decode steps of one new token per request only, each followed by
+        :meth:`advance` (which keeps the host's counts, outside whatever a graph captured)."""
+        if not self.pages or any(layer.paged is None for layer in self.layers):
+            raise ValueError("reserve() follows the prompt's prefill: every layer must hold its requests first")
+        longest = max(max(layer.lengths, default=0) for layer in self.layers)
+        if max_length < longest + 1:
+            raise ValueError(f"reserve({max_length}): a request already holds {longest} tokens")
+        self._ensure_pages([max_length] * len(self.pages))
+        for layer in self.layers:
+            if layer.paged.num_pages < self.next_page:
+                layer.paged.grow(self.next_page)
+        self.static, self.static_steps = max_length, 0
+
+    def advance(self) -> None:
+        """The host's side of one static decode step (see :meth:`reserve`): every layer holds one more
+        column; each request's length is its length at :meth:`reserve` plus ``static_steps``."""
+        self.static_steps += 1
+        for layer in self.layers:
+            layer.columns += 1
 
     # ----- page allocation (shared by all layers) ----------------------------------------------
     def _ensure_pages(self, lengths: list[int]) -> None:
@@ -159,6 +189,8 @@ class LatentCache(Cache):
         backend = backend or self.backend
         C, K_P = C[:, 0], K_P[:, 0]
         B, n = C.shape[0], C.shape[1]
+        if self.static is not None:
+            return self._static_step(layer_idx, spec, q_lat, q_pe, C, K_P, key_valid, tau, backend)
         layer = self._layer(layer_idx, spec, C, K_P)
         if len(layer.lengths) != B:
             raise ValueError(f"the cache holds {len(layer.lengths)} requests but the batch has {B}")
@@ -199,6 +231,24 @@ class LatentCache(Cache):
             o = outs[0].unsqueeze(2) if n == 1 else torch.stack(outs, 2)
         layer.lengths = after
         return o
+
+    def _static_step(self, layer_idx: int, spec, q_lat, q_pe, C, K_P, key_valid, tau: float, backend: str):
+        """A decode step after :meth:`reserve`: write and attend one token per request, changing
+        nothing on the host (a CUDA graph of the step replays exactly this)."""
+        B, n = C.shape[0], C.shape[1]
+        layer = self.layers[layer_idx]
+        if n != 1 or key_valid is not None or len(layer.lengths) != B:
+            raise ValueError("after reserve() the cache takes one new token for each of its requests per step")
+        paged, bt = layer.paged, self._table(C.device)
+        pos = layer.lengths_dev
+        lens = pos + 1
+        kernels.write(paged, bt, C[:, 0], K_P[:, 0], self._all_rows(B, C.device), pos, lens, backend, validate=False)
+        o, _ = kernels.decode(
+            paged, bt, lens, q_lat[:, :, 0], q_pe[:, :, 0], tau, backend, {"max_len": self.static},
+            validate=False, exact=spec.exact_rows,
+        )  # fmt: skip
+        pos.copy_(lens)
+        return o.unsqueeze(2)
 
     def _new_counts(self, key_valid, new_valid) -> list[int]:
         """New real tokens per request; read back once per step (the layers share ``key_valid``)."""

@@ -54,6 +54,7 @@ ADDED_DEFAULTS = {
     "eval.generate_batch_size": None,
     "eval.scoring_tokens": None,
     "eval.share_prefix": None,
+    "eval.decode_graphs": False,
 }
 """Keys (dotted for nested ones) added after runs were first recorded, with the value every earlier run
 had: left out of the id at that value, so those runs keep their ids (and are not run again)."""

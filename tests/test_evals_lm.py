@@ -5,6 +5,7 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 
+import functools  # noqa: E402
 import warnings  # noqa: E402
 
 import pytest  # noqa: E402
@@ -146,6 +147,41 @@ def test_generation_runs_in_its_own_batch_size_and_answers_as_one_at_a_time():
         mp.setattr(HFLM, "_model_generate", tight)
         assert lm.generate_until(reqs) == alone
     assert sizes == [3, 1, 2, 1, 1, 2, 1, 1]
+
+
+def test_decode_graphs_answers_as_generate_does_and_only_for_greedy_requests():
+    """``decode_graphs=True`` sends lm-eval's greedy batches through ``quantmla.generate.greedy`` (on a
+    CPU every step eager): the same answers, stop strings included; a sampling request keeps
+    transformers' own loop."""
+    from quantmla import generate
+
+    model, tok = build()
+    attention.install(model, CacheSpec.parse("c4r4"))
+    prompts = [TEXT[: 40 * (i + 1)] for i in range(5)]
+    reqs = [Instance("generate_until", {}, (p, {"until": ["e"], "max_gen_toks": 12}), i) for i, p in enumerate(prompts)]
+    want = QuantMLALM(model, tok, batch_size=1, generate_batch_size=3).generate_until(reqs)
+    calls, real = [], generate.greedy
+
+    @functools.wraps(real)
+    def counted(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(generate, "greedy", counted)
+        lm = QuantMLALM(model, tok, batch_size=1, generate_batch_size=3, decode_graphs=True)
+        assert lm.generate_until(reqs) == want
+        assert len(calls) == 2  # one per batch of generation
+        sampled = [
+            Instance(
+                "generate_until",
+                {},
+                (prompts[0], {"until": [], "max_gen_toks": 4, "do_sample": True, "temperature": 0.7}),
+                0,
+            )
+        ]
+        lm.generate_until(sampled)
+        assert len(calls) == 2
 
 
 @pytest.mark.gpu

@@ -72,6 +72,7 @@ class LMEval(Eval):
     generate_batch_size: int | None = None  # generation requests' batch; None = batch_size
     scoring_tokens: int | None = None  # log-likelihood batches by tokens (rows x longest); None = batch_size rows
     share_prefix: int | None = None  # rows sharing this many leading tokens run them once; None = off
+    decode_graphs: bool = False  # greedy generation with each decode step one CUDA graph (quantmla.generate)
     data: str = "mirror"  # mirror | hub
     max_length: int | None = None  # context for lm-eval's truncation; None = the model's
     gen_kwargs: dict | None = None  # e.g. {max_gen_toks: 2000, do_sample: false, temperature: 0}
@@ -188,6 +189,7 @@ class LMEval(Eval):
             generate_batch_size=self.generate_batch_size,
             scoring_tokens=self.scoring_tokens,
             share_prefix=self.share_prefix,
+            decode_graphs=self.decode_graphs,
             max_length=self.max_length or ctx.max_positions,
             enable_thinking=self.enable_thinking,
         )

@@ -36,7 +36,7 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from quantmla import attention, placement
+from quantmla import attention, generate, placement
 from quantmla.evals.responses import ResponseCache
 from quantmla.evals.scoring import BatchedScoring, in_halves_on_oom
 from quantmla.schema import positive_int
@@ -329,8 +329,10 @@ class QuantMLALM(ReleasesMemory, ResponseCache, Progress, BatchedTokenizer, Batc
         batch_size: int | str = 1,
         max_length: int | None = None,
         device: str | None = None,
+        decode_graphs: bool = False,
         **kwargs,
     ):
+        self.decode_graphs = bool(decode_graphs)  # greedy requests through quantmla.generate.greedy
         if isinstance(pretrained, str):
             harness = {k: kwargs.pop(k) for k in list(kwargs) if k.split(".")[0] in HARNESS_KEYS}
             pretrained, tokenizer, rest = prepared(pretrained, harness, device)
@@ -361,6 +363,9 @@ class QuantMLALM(ReleasesMemory, ResponseCache, Progress, BatchedTokenizer, Batc
     def _generate(self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs):
         cache = attention.new_cache(self.model, batch_size=context.shape[0], max_length=max_length)
         generation_kwargs[attention.cache_keyword()] = cache
+        if self.decode_graphs and not generation_kwargs.get("do_sample") and not generation_kwargs.get("temperature"):
+            # lm-eval's greedy requests (its default); each decode step one CUDA graph replay
+            generation_kwargs["custom_generate"] = generate.greedy
         return super()._generate(context, max_length, stop, **generation_kwargs)
 
 
@@ -370,4 +375,5 @@ def language_model(model, tokenizer, batch_size: int | str = 1, max_length: int 
     comparison needs, e.g. the checkpoint an MLA conversion started from)."""
     if attention.latent_layers(model):
         return QuantMLALM(model, tokenizer, batch_size=batch_size, max_length=max_length, **kwargs)
+    kwargs.pop("decode_graphs", None)  # the paged latent cache's; a native model decodes as transformers does
     return CachedHFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length, **kwargs)

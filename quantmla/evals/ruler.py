@@ -242,6 +242,7 @@ class Ruler(Eval):
     samples: int = 500  # per task per length
     gen_tokens: int = 128  # RULER's generation budget (lm-eval's max_gen_toks)
     batch_size: int = 1
+    decode_graphs: bool = False  # each decode step one CUDA graph (quantmla.generate)
     seed: int = 42
     profile: str = "custom"
 
@@ -316,7 +317,9 @@ class Ruler(Eval):
             raise ValueError(
                 f"RULER length {max(self.lengths)} exceeds the model's context ({ctx.max_positions} tokens)"
             )
-        lm = language_model(model, tokenizer, batch_size=self.batch_size, max_length=max(self.lengths))
+        lm = language_model(
+            model, tokenizer, batch_size=self.batch_size, max_length=max(self.lengths), decode_graphs=self.decode_graphs
+        )
         out = {"results": {}, "n_samples": {}}
         for name in self.tasks:
             task = ConfigurableTask(config=self.task_config(name, tokenizer))
