@@ -124,13 +124,14 @@ class LatentCache(Cache):
         is planned for ``max_length`` (a request's own length bounds what it reads). After this the
         cache takes decode steps of one new token per request only, each followed by
         :meth:`advance` (which keeps the host's counts, outside whatever a graph captured)."""
-        if not self.pages or any(layer.paged is None for layer in self.layers):
-            raise ValueError("reserve() follows the prompt's prefill: every layer must hold its requests first")
-        longest = max(max(layer.lengths, default=0) for layer in self.layers)
+        held = [layer for layer in self.layers if layer.paged is not None]
+        if not self.pages or not held:
+            raise ValueError("reserve() follows the prompt's prefill: the layers must hold their requests first")
+        longest = max(max(layer.lengths, default=0) for layer in held)
         if max_length < longest + 1:
             raise ValueError(f"reserve({max_length}): a request already holds {longest} tokens")
         self._ensure_pages([max_length] * len(self.pages))
-        for layer in self.layers:
+        for layer in held:
             if layer.paged.num_pages < self.next_page:
                 layer.paged.grow(self.next_page)
         self.static, self.static_steps = max_length, 0
@@ -140,7 +141,8 @@ class LatentCache(Cache):
         column; each request's length is its length at :meth:`reserve` plus ``static_steps``."""
         self.static_steps += 1
         for layer in self.layers:
-            layer.columns += 1
+            if layer.paged is not None:
+                layer.columns += 1
 
     # ----- page allocation (shared by all layers) ----------------------------------------------
     def _ensure_pages(self, lengths: list[int]) -> None:
