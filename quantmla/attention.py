@@ -79,25 +79,26 @@ class LatentAttention(Adapted):
             q_pe = q_pe @ self.rope_transform.to(q_pe.dtype)
             K_P = K_P @ self.rope_transform.to(K_P.dtype)
         q_lat = self.mla.absorb(q_nope)
-        if isinstance(cache, LatentCache) and cache.static is not None:
-            # a static decode step (LatentCache.reserve): one real token per request by contract, so the
-            # mask is not read (reading it waits for the device, which a CUDA graph cannot)
-            o_lat = cache.attend(self.layer_idx, self.spec, q_lat, q_pe, C, K_P, None, self.mla.tau, self.backend)
-            return self.mla.output(o_lat), None
         if isinstance(cache, LatentCache):
-            n, L = C.shape[2], cache.get_seq_length(self.layer_idx) + C.shape[2]
-            # every layer of a step gets the same mask: check it once (each check reads the device)
-            memo = cache.step_validity
-            if memo is None or memo[0] is not attention_mask or memo[1] != (C.shape[0], n, L):
-                valid = key_validity(attention_mask, C.shape[0], n, L, C.device)
-                memo = cache.step_validity = (attention_mask, (C.shape[0], n, L), valid)
-            valid = memo[2] if memo[2] is None else memo[2].to(C.device)  # layers may sit on other GPUs
+            # a static decode step (LatentCache.reserve) has one real token per request by contract: its
+            # mask is not read (reading it waits for the device, which a CUDA graph cannot)
+            valid = None if cache.static is not None else self._step_validity(cache, attention_mask, C)
             o_lat = cache.attend(self.layer_idx, self.spec, q_lat, q_pe, C, K_P, valid, self.mla.tau, self.backend)
             return self.mla.output(o_lat), None
         if cache is not None:
             C, K_P = cache.update(C, K_P, self.layer_idx)
         o_lat, _ = self.attend(q_lat, q_pe, C, K_P, attention_mask)
         return self.mla.output(o_lat), None
+
+    def _step_validity(self, cache: LatentCache, attention_mask, C) -> torch.Tensor | None:
+        """The step's key validity for the paged cache. Every layer of a step gets the same mask:
+        it is checked once (each check reads the device) and shared through the cache."""
+        n, L = C.shape[2], cache.get_seq_length(self.layer_idx) + C.shape[2]
+        memo = cache.step_validity
+        if memo is None or memo[0] is not attention_mask or memo[1] != (C.shape[0], n, L):
+            valid = key_validity(attention_mask, C.shape[0], n, L, C.device)
+            memo = cache.step_validity = (attention_mask, (C.shape[0], n, L), valid)
+        return memo[2] if memo[2] is None else memo[2].to(C.device)  # layers may sit on other GPUs
 
     def attend(self, q_lat, q_pe, C, K_P, attention_mask):
         """Latent output (B, H, n, d_c) and LSE (B, H, n), float32, of queries (B, H, n, ·) over

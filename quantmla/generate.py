@@ -62,7 +62,7 @@ def greedy(
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else _first(cfg.eos_token_id)
     if has_eos and pad is None:
         raise ValueError("greedy() needs pad_token_id (or eos_token_id) to pad the rows that stopped")
-    cache.reserve(_max_length(stopping_criteria, cfg, input_ids.shape[1]))
+    cache.reserve(cfg.max_length)  # generate sets it (from max_new_tokens where given): the longest row
     step = DecodeStep(model, cache, positions[:, -1:] + 1, graphs)
     unfinished = torch.ones(B, dtype=torch.long, device=dev)
     while True:
@@ -79,17 +79,6 @@ def greedy(
 
 def _first(ids):
     return ids[0] if isinstance(ids, (list, tuple)) else ids
-
-
-def _max_length(stopping_criteria, cfg, prompt: int) -> int:
-    """The longest sequence the loop can reach (prompt columns plus new tokens); a request holds no
-    more tokens than that."""
-    cap = getattr(stopping_criteria, "max_length", None) or cfg.max_length
-    if cap is None and cfg.max_new_tokens is not None:
-        cap = prompt + cfg.max_new_tokens
-    if cap is None:
-        raise ValueError("greedy() needs a length limit (max_length or max_new_tokens)")
-    return int(cap)
 
 
 class DecodeStep:

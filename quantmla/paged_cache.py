@@ -105,16 +105,15 @@ class LatentCache(Cache):
         self.step_validity: tuple | None = None
         self._step_counts: tuple | None = None
         self._rows: dict[torch.device, torch.Tensor] = {}
-        # After reserve(): the capacity every request's pages hold, and the decode steps taken since
+        # After reserve(): the capacity every request's pages hold
         self.static: int | None = None
-        self.static_steps = 0
 
     def reset(self) -> None:
         """Empty the cache for a new batch (every layer's pages go; the page numbering restarts)."""
         super().reset()
         self.pages, self.next_page, self.block_table, self._tables = [], 0, None, {}
         self.step_validity = self._step_counts = None
-        self.static, self.static_steps = None, 0
+        self.static = None
 
     # ----- static decoding (a step that can be captured in a CUDA graph) -------------------------
     def reserve(self, max_length: int) -> None:
@@ -134,12 +133,11 @@ class LatentCache(Cache):
         for layer in held:
             if layer.paged.num_pages < self.next_page:
                 layer.paged.grow(self.next_page)
-        self.static, self.static_steps = max_length, 0
+        self.static = max_length
 
     def advance(self) -> None:
         """The host's side of one static decode step (see :meth:`reserve`): every layer holds one more
-        column; each request's length is its length at :meth:`reserve` plus ``static_steps``."""
-        self.static_steps += 1
+        column (the requests' lengths on the host stay those at :meth:`reserve`; the device's advance)."""
         for layer in self.layers:
             if layer.paged is not None:
                 layer.columns += 1
