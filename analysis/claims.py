@@ -203,7 +203,8 @@ def method_order(rows: dict) -> list[Claim]:
         if all(r is not None for r in same):  # the fair comparison: every method protected
             ss = [score(r, cols) for r in same]
             v, w = _pairs(list(zip(names, ss)), floor(rows, model, "C4R4"))
-            c.note = f"all protected: {v} ({'; '.join(w)})"
+            avg = " / ".join(f"{s.value.value:.2f}" for s in ss)
+            c.note = f"all protected: {v} ({'; '.join(w)}; Avg. {avg})"
         c.note = "; ".join(x for x in (c.note, off_recipe(chosen)) if x)
         out.append(c)
     return out
