@@ -25,7 +25,7 @@ from analysis import noise as N
 from analysis import paper_numbers as P
 from analysis import render
 from analysis.metrics import Value
-from analysis.table import BLOCK_FREE, Row, _same, blocks, comparisons, details, mark, notes, rows
+from analysis.table import BLOCK_FREE, Row, _same, blocks, comparisons, details, mark, notes, rows, seeds
 from quantmla.tracking import scan_runs
 
 NAMES = {
@@ -49,6 +49,12 @@ NAMES = {
 }
 METHODS = {"rtn": "RTN", "smoothquant": "SmoothQuant†", "quarot": "QuaRot†", "quantmla": "QuantMLA"}
 KEYS = ["model", "prec.", "method", "protect", "profile", "runs"]
+SEEDS = "{n} calibration seeds: mean ± SE"
+SEEDS_NOTE = (
+    "Rows calibrated with several seeds (noise.perturb=seed) show seed 0, as the paper's downstream results do "
+    "(App. C); the line beneath gives the mean over the seeds ± its standard error (sample SD / √n). "
+    "The seeds' spread is part of the block's noise floor."
+)
 
 
 def _as_bf16(run: dict) -> dict:
@@ -107,6 +113,18 @@ def layout(rs: list[Row], cols: tuple[str, ...], paper) -> tuple[pd.DataFrame, p
                 v = r.values.get(c, Value(None))
                 row |= {h: v.value, f"{h} se": v.se, f"{h} noise": r.floor.get(c), f"{h} tied": r.best.get(c)}
                 row[f"{h} paper"] = ref[j] if ref else None
+            n_seeds, over_seeds = seeds(r)
+            if n_seeds:
+                row |= {"seeds": n_seeds}
+                for c, h in zip(cols, heads):
+                    v = over_seeds.get(c, Value(None))
+                    row |= {f"{h} seeds": v.value, f"{h} seeds se": v.se}
+                text.append(
+                    dict.fromkeys(KEYS, "")
+                    | {"method": SEEDS.format(n=n_seeds)}
+                    | {h: render.number(over_seeds[c]) if c in over_seeds else "n/a" for c, h in zip(cols, heads)}
+                )
+                bold.append({})
             data.append(row)
             if ref:
                 label = "paper" if source == r.keys["model"] else f"paper ({source})"
@@ -249,6 +267,12 @@ def table3(runs: list[dict]):
                 | {"step_delta": None if c is None else c.delta, "step_threshold": None if c is None else c.threshold}
                 | {"step_resolved": None if c is None else c.resolved, "paper": paper}
             )
+            n_seeds, over_seeds = seeds(r, {"mmlu acc": 100.0})
+            if n_seeds:
+                v = over_seeds.get("mmlu acc", Value(None))
+                v = Value(v.value, v.se, digits=2)  # a percentage, as the row's
+                data[-1] |= {"seeds": n_seeds, "mmlu_seeds": v.value, "mmlu_seeds_se": v.se}
+                text.append({"model": "", "configuration": SEEDS.format(n=n_seeds), "MMLU (%)": render.number(v)})
             if step is not None:
                 prev[step] = r
         floor = by[0].floor.get("mmlu")
@@ -326,6 +350,8 @@ def _unique(rs: list[Row]) -> list[Row]:
 
 def _notes(name: str, rs: list[Row], scan) -> list[str]:
     lines = notes(rs, (), scan)
+    if any(seeds(r)[0] for r in rs):
+        lines.append(SEEDS_NOTE)
     if name != "table3":
         lines.insert(
             1,

@@ -172,6 +172,32 @@ def _configuration(runs: list[dict]) -> tuple[dict[str, M.Value], dict[str, floa
     return values, spread
 
 
+def seeds(r: Row, scale: dict[str, float] | None = None) -> tuple[int, dict[str, M.Value]]:
+    """(number of calibration seeds, each metric's mean over them ± its standard error) of row ``r``:
+    its unperturbed runs are seed 0 (the paper's downstream results, App. C), each ``noise.perturb=seed``
+    variant another seed (repeats of one seed averaged first); SE = sample SD / √n. ``(0, {})``
+    without a seed variant. ``scale`` multiplies metrics (e.g. a fraction into %), keyed by name."""
+    by_seed: dict[str, list[dict[str, M.Value]]] = {}
+    for x in r.runs:
+        noise = x["config"].get("noise") or {}
+        seed = "0" if N.unperturbed(x["config"]) else f"seed {noise.get('seed', 0)}"
+        if seed == "0" or noise.get("perturb") == "seed":
+            by_seed.setdefault(seed, []).append(M.main(x["metrics"], x["config"]))
+    if len(by_seed) < 2 or "0" not in by_seed:
+        return 0, {}
+    out = {}
+    for k in dict.fromkeys(k for vs in by_seed.values() for v in vs for k in v):
+        per_seed = []
+        for vs in by_seed.values():
+            got = [v[k].value for v in vs if k in v and v[k].value is not None]
+            per_seed.append(sum(got) / len(got) if got else None)
+        if any(x is None for x in per_seed):
+            continue
+        f = (scale or {}).get(k, 1.0)
+        out[k] = _mean_se([f * x for x in per_seed], next(v[k] for vs in by_seed.values() for v in vs if k in v))
+    return len(by_seed), out
+
+
 def rows(runs: list[dict], over: tuple[str, ...] = ()) -> list[Row]:
     """The table's rows in order (see the module's doc)."""
     fields = [config_fields(r["config"]) for r in runs]
@@ -210,9 +236,7 @@ def rows(runs: list[dict], over: tuple[str, ...] = ()) -> list[Row]:
             for k in names:
                 got = [v[k].value for v, _ in per_config if k in v and v[k].value is not None]
                 first = next(v[k] for v, _ in per_config if k in v)
-                mean = sum(got) / len(got) if got else None
-                se = _sd(got) / math.sqrt(len(got)) if len(got) > 1 else None
-                values[k] = M.Value(mean, se, None, first.log, first.higher_better, first.digits)
+                values[k] = _mean_se(got, first)
                 spreads = [s[k] for _, s in per_config if s.get(k) is not None]
                 spread[k] = max(spreads) if spreads else None
             n = len(per_config)
@@ -223,6 +247,13 @@ def rows(runs: list[dict], over: tuple[str, ...] = ()) -> list[Row]:
     out.sort(key=lambda r: _order(r, extra))
     mark(out)
     return out
+
+
+def _mean_se(xs: list[float], like: M.Value) -> M.Value:
+    """The mean of ``xs`` ± its standard error (sample SD / √n; none for one value), shown as ``like``."""
+    mean = sum(xs) / len(xs) if xs else None
+    se = _sd(xs) / math.sqrt(len(xs)) if len(xs) > 1 else None
+    return M.Value(mean, se, None, like.log, like.higher_better, like.digits)
 
 
 def _sd(xs: list[float]) -> float:

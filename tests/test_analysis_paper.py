@@ -15,7 +15,7 @@ from quantmla.evals.averages import suite_report
 from quantmla.tracking import RunRecord
 
 
-def _record(root, model, bits, method, protect, results, seed=0):
+def _record(root, model, bits, method, protect, results, seed=0, noise=None):
     cfg = {
         "model": {"name": model},
         "method": {"_target_": f"x.{method}", "name": method},
@@ -23,7 +23,7 @@ def _record(root, model, bits, method, protect, results, seed=0):
         "protect": {"enabled": protect},
         "eval": {"name": "lm_eval", "suite": "suite_a"},
         "seed": seed,
-    }
+    } | ({"noise": noise} if noise else {})
     rec = RunRecord(root, "t1", cfg)
     rec.start()
     rec.finish({"results": results} | suite_report("suite_a", results, {"fda": "no offline copy"}))
@@ -206,6 +206,52 @@ def test_table3_steps_are_resolved_by_the_noise_floor_and_their_errors(tmp_path)
     first = data[data["configuration"] == "+ content-path transform"].iloc[0]
     assert first["step_threshold"] == pytest.approx(math.sqrt(2) * 1.0) and first["noise_floor"] == pytest.approx(0.5)
     assert (tmp_path / "o" / "table3.tex").read_text().count("\\\\") >= 9
+
+
+def test_calibrated_rows_give_the_mean_and_standard_error_over_their_seeds(tmp_path):
+    """A configuration calibrated with seeds 0, 1, 2 (``noise.perturb=seed``, seeds 1 and 2 scoring
+    +0.5 and −1.0 points on every task) shows seed 0, as the paper does, and beneath it the mean over
+    the seeds −0.17 points away ± SD/√3 = 0.441; a run under another batch size is no seed."""
+    row = P.TABLE1[("deepseek_v2_lite", "C4R4", "quantmla")]
+    _record(tmp_path, "deepseek_v2_lite", "c4r4", "quantmla", True, _results(row))
+    for k, shift in enumerate((0.5, -1.0)):
+        _record(tmp_path, "deepseek_v2_lite", "c4r4", "quantmla", True, _results([x + shift for x in row]),
+                noise={"perturb": "seed", "seed": k})  # fmt: skip
+    rtn = P.TABLE1[("deepseek_v2_lite", "C4R4", "rtn")]
+    _record(tmp_path, "deepseek_v2_lite", "c4r4", "rtn", False, _results(rtn))
+    _record(tmp_path, "deepseek_v2_lite", "c4r4", "rtn", False, _results(rtn), noise={"perturb": "batch", "seed": 8})
+    T = P.TABLE3
+    for shift, noise in ((0.0, None), (0.3, {"perturb": "seed", "seed": 0}), (-0.3, {"perturb": "seed", "seed": 1})):
+        _mmlu_record(tmp_path, "c4r4", "quantmla", True, T["+ BF16 protection (full QuantMLA)"] + shift,
+                     paths={"content": True, "rope": True}, noise=noise)  # fmt: skip
+    _mmlu_record(tmp_path, "c4r4", "rtn", False, T["RTN"])
+    _mmlu_record(tmp_path, "c4r4", "rtn", False, T["RTN"], noise={"perturb": "batch", "seed": 8})
+    r = subprocess.run(
+        [sys.executable, "-m", "analysis", "paper", str(tmp_path), "--out", str(tmp_path / "o")],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    seeds = [x - row[0] for x in (row[0], row[0] + 0.5, row[0] - 1.0)]
+    se = math.sqrt(sum((x - sum(seeds) / 3) ** 2 for x in seeds) / 2 / 3)
+    assert se == pytest.approx(0.441, abs=1e-3)
+    cells = _section(r.stdout, "Table 1 — Suite A (%)")
+    seeds_line = "3 calibration seeds: mean ± SE"
+    assert [c[2] for c in cells] == ["RTN", "paper", "QuantMLA", seeds_line, "paper", "noise floor"]
+    ours, over = cells[2], cells[3]
+    assert ours[6].split(" ± ")[0] == f"{row[0]:.2f}" and ours[5] == "3"  # seed 0, three runs
+    assert over[6] == f"{row[0] + sum(seeds) / 3:.2f} ± {se:.2g}"  # CS
+    assert over[7] == f"{row[1] + sum(seeds) / 3:.2f} ± {se:.2g}"  # MMLU
+    assert cells[5][6] == "1.5"  # the seeds' spread is the block's floor
+    data = pd.read_csv(tmp_path / "o" / "table1.csv")
+    q = data[data["method"] == "QuantMLA"].iloc[0]
+    assert q["seeds"] == 3 and q["CS seeds"] == pytest.approx(row[0] - 1 / 6) and q["CS seeds se"] == pytest.approx(se)
+    assert math.isnan(data[data["method"] == "RTN"].iloc[0]["seeds"])
+    assert "show seed 0, as the paper's downstream results do" in r.stdout
+    t3 = {c[1]: c for c in _section(r.stdout, "Table 3 — ablation at C4R4, MMLU 5-shot (%)")}
+    assert t3[seeds_line][5] == f"{T['+ BF16 protection (full QuantMLA)']:.2f} ± 0.17"
+    assert list(t3) == ["RTN", "+ BF16 protection (full QuantMLA)", seeds_line, "noise floor"]
+    t3data = pd.read_csv(tmp_path / "o" / "table3.csv").set_index("configuration")
+    assert t3data.loc["+ BF16 protection (full QuantMLA)", "mmlu_seeds_se"] == pytest.approx(0.3 / math.sqrt(3))
 
 
 DATA = Path(__file__).resolve().parent / "data"
