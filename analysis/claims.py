@@ -271,34 +271,33 @@ def ablation(runs: list[dict]) -> list[Claim]:
     data = got[2]
     out = []
     for model, d in data.groupby("model", sort=False):
+        c = Claim("table3-steps", f"Each Table 3 step adds accuracy ({model})", paper)
         bf16 = d[d["configuration"] == "BF16"]
-        if len(bf16) and _at_chance(bf16["mmlu"].iloc[0], bf16["mmlu_se"].iloc[0]):
-            v, se = bf16["mmlu"].iloc[0], bf16["mmlu_se"].iloc[0]
-            c = Claim("table3-steps", f"Each Table 3 step adds accuracy ({model})", paper, verdict="not measurable")
-            c.ours = f"BF16 MMLU {v:.2f} ± {se:.2f}, at chance ({MMLU_CHANCE:.0f} %)"
-            c.note = "the unquantized model scores at chance, so no quantized step can add measurable accuracy"
-            out.append(c)
-            continue
         d = d[d["configuration"].isin(PT.STEPS[1:])]
         variants = list(dict.fromkeys(d["variant"]))
         chosen = "" if "" in variants else variants[0] if len(variants) == 1 else None
         d = d[d["variant"] == chosen]
-        c = Claim("table3-steps", f"Each Table 3 step adds accuracy ({model})", paper)
         c.note = f"settings off the recipe: QuantMLA {chosen}" if chosen else ""
-        if len(d) < len(PT.STEPS) - 1 or d["step_delta"].isna().any():
-            out.append(c)
-            continue
         words, wrong, unresolved = [], False, False
-        for _, s in d.iterrows():
-            name = {PT.STEPS[1]: "content", PT.STEPS[2]: "RoPE", PT.STEPS[3]: "protection"}[s["configuration"]]
-            if s["step_resolved"]:
-                wrong |= s["step_delta"] <= 0
-                words.append(f"+{name} {s['step_delta']:+.2f}")
-            else:
-                unresolved = True
-                words.append(f"+{name} {s['step_delta']:+.2f} (not resolved)")
-        c.ours = "MMLU steps: " + ", ".join(words)
-        c.verdict = "does not hold" if wrong else "not measurable" if unresolved else "holds"
+        if len(d) == len(PT.STEPS) - 1 and not d["step_delta"].isna().any():
+            for _, s in d.iterrows():
+                name = {PT.STEPS[1]: "content", PT.STEPS[2]: "RoPE", PT.STEPS[3]: "protection"}[s["configuration"]]
+                if s["step_resolved"]:
+                    wrong |= s["step_delta"] <= 0
+                    words.append(f"+{name} {s['step_delta']:+.2f}")
+                else:
+                    unresolved = True
+                    words.append(f"+{name} {s['step_delta']:+.2f} (not resolved)")
+        steps = "MMLU steps: " + ", ".join(words) if words else ""
+        if len(bf16) and _at_chance(bf16["mmlu"].iloc[0], bf16["mmlu_se"].iloc[0]):
+            v, se = bf16["mmlu"].iloc[0], bf16["mmlu_se"].iloc[0]
+            c.verdict = "not measurable"
+            c.ours = "; ".join(filter(None, (steps, f"BF16 MMLU {v:.2f} ± {se:.2f}, at chance ({MMLU_CHANCE:.0f} %)")))
+            why = "the unquantized model scores at chance, so no quantized step can add measurable accuracy"
+            c.note = f"{c.note}; {why}" if c.note else why
+        elif words:
+            c.ours = steps
+            c.verdict = "does not hold" if wrong else "not measurable" if unresolved else "holds"
         out.append(c)
     return out
 

@@ -148,8 +148,8 @@ def test_table3_steps(tmp_path, se, verdict):
 def test_table3_is_not_measurable_when_bf16_scores_at_chance(tmp_path, bf16, verdict):
     """A model whose unquantized MMLU is within two standard errors of chance (25 %; SE 0.4 point here)
     cannot show a quantized step adding accuracy, whatever the steps' own numbers: 24.71 and 25.70 are
-    not measurable. At 26.00, 2.5 SE above chance, the steps (+1.22, +3.19, +1.64 at SE 0.1, floor 0.1)
-    are judged as usual and hold."""
+    not measurable, though its steps are reported. At 26.00, 2.5 SE above chance, the steps (+1.22,
+    +3.19, +1.64 at SE 0.1, floor 0.1) are judged as usual and hold."""
     T, base = P.TABLE3, P.TABLE3["RTN"]
     _mmlu(tmp_path, "c16r16", "rtn", False, bf16, se=0.4)
     _mmlu(tmp_path, "c4r4", "rtn", False, T["RTN"] - base + 20, se=0.1)
@@ -160,8 +160,11 @@ def test_table3_is_not_measurable_when_bf16_scores_at_chance(tmp_path, bf16, ver
         _mmlu(tmp_path, "c4r4", "quantmla", protect, acc, paths={"content": True, "rope": rope}, se=0.1)
     (c,) = [c for c in claims.check(tmp_path) if c.name == "table3-steps"]
     assert c.verdict == verdict, c
-    if verdict == "not measurable":
-        assert c.ours == f"BF16 MMLU {bf16:.2f} ± 0.40, at chance (25 %)", c.ours
+    steps = "MMLU steps: +content +1.22, +RoPE +3.19, +protection +1.64"
+    if verdict == "not measurable":  # the steps are shown beside the reason they cannot count
+        assert c.ours == f"{steps}; BF16 MMLU {bf16:.2f} ± 0.40, at chance (25 %)", c.ours
+    else:
+        assert c.ours == steps, c.ours
 
 
 def _sensitivity(root, model, cells):
