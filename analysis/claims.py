@@ -294,7 +294,7 @@ def ablation(runs: list[dict]) -> list[Claim]:
             c.verdict = "not measurable"
             c.ours = "; ".join(filter(None, (steps, f"BF16 MMLU {v:.2f} ± {se:.2f}, at chance ({MMLU_CHANCE:.0f} %)")))
             why = "the unquantized model scores at chance, so no quantized step can add measurable accuracy"
-            c.note = f"{c.note}; {why}" if c.note else why
+            c.note = "; ".join(x for x in (c.note, why) if x)
         elif words:
             c.ours = steps
             c.verdict = "does not hold" if wrong else "not measurable" if unresolved else "holds"
