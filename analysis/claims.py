@@ -289,10 +289,11 @@ def ablation(runs: list[dict]) -> list[Claim]:
                     unresolved = True
                     words.append(f"+{name} {s['step_delta']:+.2f} (not resolved)")
         steps = "MMLU steps: " + ", ".join(words) if words else ""
-        if len(bf16) and _at_chance(bf16["mmlu"].iloc[0], bf16["mmlu_se"].iloc[0]):
-            v, se = bf16["mmlu"].iloc[0], bf16["mmlu_se"].iloc[0]
+        v, se = (bf16["mmlu"].iloc[0], bf16["mmlu_se"].iloc[0]) if len(bf16) else (None, None)
+        if _at_chance(v, se):
             c.verdict = "not measurable"
-            c.ours = "; ".join(filter(None, (steps, f"BF16 MMLU {v:.2f} ± {se:.2f}, at chance ({MMLU_CHANCE:.0f} %)")))
+            chance = f"BF16 MMLU {v:.2f} ± {se:.2f}, at chance ({MMLU_CHANCE:.0f} %)"
+            c.ours = "; ".join(x for x in (steps, chance) if x)
             why = "the unquantized model scores at chance, so no quantized step can add measurable accuracy"
             c.note = "; ".join(x for x in (c.note, why) if x)
         elif words:
