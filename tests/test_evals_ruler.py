@@ -64,7 +64,7 @@ def test_scorer_with_known_answers():
 
 
 @pytest.mark.slow
-def test_ruler_runs_on_tiny_through_the_decode_path():
+def test_ruler_runs_on_tiny_through_the_decode_path(tmp_path):
     model, tok = build()
     attention.install(model, CacheSpec())
     for layer in attention.latent_layers(model):
@@ -77,9 +77,15 @@ def test_ruler_runs_on_tiny_through_the_decode_path():
     try:
         ev = ruler.Ruler(tasks=["niah_single_1", "niah_single_2"], lengths=[512], samples=2, gen_tokens=8, batch_size=2)
         ev.check()
-        m = ev.run(model, tok, EvalContext(max_positions=4096))
+        m = ev.run(model, tok, EvalContext(max_positions=4096, work_dir=str(tmp_path)))
+        first = len(steps)
+        again = ev.run(model, tok, EvalContext(max_positions=4096, work_dir=str(tmp_path)))
     finally:
         hook.remove()
+    # the relaunch reads every answer from the run's folder: the model is not run again, same results
+    assert len(steps) == first and again["results"] == m["results"]
+    assert (tmp_path / "lm_eval_responses.sqlite").exists()
+    steps = steps[:first]
     for name in ("niah_single_1", "niah_single_2"):
         assert 0.0 <= m["results"][name]["512,none"] <= 1.0
         assert m["n_samples"][name]["effective"] == 2
