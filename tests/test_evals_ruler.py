@@ -1,4 +1,4 @@
-"""RULER NIAH offline: samples, scorer, a run through the decode path, and bad input."""
+"""RULER NIAH offline: samples, scorer, a run through the decode path and its relaunch, and bad input."""
 
 import os
 
@@ -77,23 +77,27 @@ def test_ruler_runs_on_tiny_through_the_decode_path(tmp_path):
     try:
         ev = ruler.Ruler(tasks=["niah_single_1", "niah_single_2"], lengths=[512], samples=2, gen_tokens=8, batch_size=2)
         ev.check()
-        m = ev.run(model, tok, EvalContext(max_positions=4096, work_dir=str(tmp_path)))
-        first = len(steps)
-        again = ev.run(model, tok, EvalContext(max_positions=4096, work_dir=str(tmp_path)))
+        m = ev.run(model, tok, EvalContext(max_positions=4096, work_dir=str(tmp_path / "whole")))
+        whole = list(steps)
+        # a run stopped after its first task, then relaunched in the same folder
+        cut = ruler.Ruler(tasks=["niah_single_1"], lengths=[512], samples=2, gen_tokens=8, batch_size=2)
+        cut.run(model, tok, EvalContext(max_positions=4096, work_dir=str(tmp_path / "cut")))
+        steps.clear()
+        again = ev.run(model, tok, EvalContext(max_positions=4096, work_dir=str(tmp_path / "cut")))
+        resumed = list(steps)
     finally:
         hook.remove()
-    # the relaunch reads every answer from the run's folder: the model is not run again, same results
-    assert len(steps) == first and again["results"] == m["results"]
-    assert (tmp_path / "lm_eval_responses.sqlite").exists()
-    steps = steps[:first]
     for name in ("niah_single_1", "niah_single_2"):
         assert 0.0 <= m["results"][name]["512,none"] <= 1.0
         assert m["n_samples"][name]["effective"] == 2
         assert m["mean"][name] == pytest.approx(100 * m["results"][name]["512,none"])
-    prefills = [n for n, c in steps if n > 1]
-    decodes = [n for n, c in steps if n == 1 and c is not None]
+    prefills = [n for n, c in whole if n > 1]
+    decodes = [n for n, c in whole if n == 1 and c is not None]
     assert len(prefills) == 2 and min(prefills) > 300  # one batched prompt per task
     assert len(decodes) == 2 * 7  # 8 new tokens: 7 decode steps after the prefill, per task
+    # the relaunch reads the first task's answers from the run's folder and generates the second's only
+    assert sum(n > 1 for n, c in resumed) == 1 and len(resumed) == 1 + 7
+    assert again["results"] == m["results"]
 
 
 def test_length_beyond_the_model_context_stops_before_loading():
