@@ -193,54 +193,50 @@ class LMEval(Eval):
             max_length=self.max_length or ctx.max_positions,
             enable_thinking=self.enable_thinking,
         )
-        cache = Path(ctx.work_dir) / "lm_eval_responses.sqlite" if ctx.work_dir else None
-        if cache:
-            lm.keep_responses(cache)  # JSON in SQLite, checked when read back; never lm-eval's pickles
         out = {k: {} for k in ("results", "subtasks", "n_samples", "n_shot", "sources", "unavailable", "outputs")}
-        for spec in self.specs():
-            if spec.external:
-                out["unavailable"][spec.task] = spec.external
-                continue
-            try:
-                tm, loaded, source = self._load(spec.task)
-            except TaskUnavailable as e:
-                out["unavailable"][spec.task] = str(e)
-                log.warning("lm_eval: %s unavailable: %s", spec.task, e)
-                continue
-            groups = loaded.get("groups", {})
-            objs = [groups[spec.task]] if spec.task in groups else list(loaded["tasks"].values())
-            tracker = _tracker(ctx.work_dir, spec.task)
-            res = simple_evaluate(
-                model=lm,
-                tasks=objs,
-                num_fewshot=spec.num_fewshot if spec.num_fewshot is not None else self.num_fewshot,
-                limit=spec.limit if spec.limit is not None else self.limit,
-                task_manager=tm,
-                gen_kwargs=dict(self.gen_kwargs) if self.gen_kwargs else None,
-                apply_chat_template=self.apply_chat_template,
-                confirm_run_unsafe_code=self.confirm_run_unsafe_code,
-                bootstrap_iters=self.bootstrap_iters,
-                log_samples=self.log_samples,
-                evaluation_tracker=tracker,
-                random_seed=self.seed,
-                numpy_random_seed=self.seed,
-                torch_random_seed=self.seed,
-                fewshot_random_seed=self.seed,
-            )
-            if tracker is not None:
-                out["outputs"][spec.task] = _save(tracker, res, ctx.work_dir, ctx.model_name or "model")
-            top = {spec.task} | set(groups) if spec.task in groups else set(loaded["tasks"])
-            for k, v in res["results"].items():
-                out["results" if k in top else "subtasks"][k] = numbers_only(v)
-            n = res.get("n-samples", {})
-            out["n_samples"][spec.task] = {
-                key: sum(int(n[t][key]) for t in loaded["tasks"] if t in n) for key in ("original", "effective")
-            }
-            shots = {res.get("n-shot", {}).get(t) for t in loaded["tasks"]}
-            out["n_shot"][spec.task] = shots.pop() if len(shots) == 1 else sorted(s for s in shots if s is not None)
-            out["sources"][spec.task] = source
-        if cache:
-            lm.responses.close()  # kept in the run's folder: a relaunch of an interrupted run resumes from it
+        with lm.responses_kept(ctx.work_dir):  # JSON in SQLite, checked when read back; never lm-eval's pickles
+            for spec in self.specs():
+                if spec.external:
+                    out["unavailable"][spec.task] = spec.external
+                    continue
+                try:
+                    tm, loaded, source = self._load(spec.task)
+                except TaskUnavailable as e:
+                    out["unavailable"][spec.task] = str(e)
+                    log.warning("lm_eval: %s unavailable: %s", spec.task, e)
+                    continue
+                groups = loaded.get("groups", {})
+                objs = [groups[spec.task]] if spec.task in groups else list(loaded["tasks"].values())
+                tracker = _tracker(ctx.work_dir, spec.task)
+                res = simple_evaluate(
+                    model=lm,
+                    tasks=objs,
+                    num_fewshot=spec.num_fewshot if spec.num_fewshot is not None else self.num_fewshot,
+                    limit=spec.limit if spec.limit is not None else self.limit,
+                    task_manager=tm,
+                    gen_kwargs=dict(self.gen_kwargs) if self.gen_kwargs else None,
+                    apply_chat_template=self.apply_chat_template,
+                    confirm_run_unsafe_code=self.confirm_run_unsafe_code,
+                    bootstrap_iters=self.bootstrap_iters,
+                    log_samples=self.log_samples,
+                    evaluation_tracker=tracker,
+                    random_seed=self.seed,
+                    numpy_random_seed=self.seed,
+                    torch_random_seed=self.seed,
+                    fewshot_random_seed=self.seed,
+                )
+                if tracker is not None:
+                    out["outputs"][spec.task] = _save(tracker, res, ctx.work_dir, ctx.model_name or "model")
+                top = {spec.task} | set(groups) if spec.task in groups else set(loaded["tasks"])
+                for k, v in res["results"].items():
+                    out["results" if k in top else "subtasks"][k] = numbers_only(v)
+                n = res.get("n-samples", {})
+                out["n_samples"][spec.task] = {
+                    key: sum(int(n[t][key]) for t in loaded["tasks"] if t in n) for key in ("original", "effective")
+                }
+                shots = {res.get("n-shot", {}).get(t) for t in loaded["tasks"]}
+                out["n_shot"][spec.task] = shots.pop() if len(shots) == 1 else sorted(s for s in shots if s is not None)
+                out["sources"][spec.task] = source
         if self.suite:
             out.update(averages.suite_report(self.suite, out["results"], out["unavailable"]))
         out["settings"] = {"limit": self.limit, "data": self.data, "profile": self.profile, "suite": self.suite}

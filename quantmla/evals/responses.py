@@ -13,11 +13,13 @@ from __future__ import annotations
 import json
 import math
 import sqlite3
+from contextlib import contextmanager
 from pathlib import Path
 
 from quantmla.files import reason, set_aside
 
 KINDS = ("loglikelihood", "loglikelihood_rolling", "generate_until")
+FILE = "lm_eval_responses.sqlite"  # in the run's folder; it stays there until removed
 
 
 def _decode(kind: str, text: str):
@@ -100,6 +102,20 @@ class ResponseCache:
     def keep_responses(self, path: str | Path) -> None:
         self.responses = ResponseStore(path)
         self.set_cache_hook(_Hook(self.responses))
+
+    @contextmanager
+    def responses_kept(self, work_dir: str | Path | None):
+        """Within the block, every answer is kept in ``work_dir``'s :data:`FILE` as it comes, and
+        read back from it when asked again: a relaunch of an interrupted run asks the model only
+        what it had not answered. Without a ``work_dir`` (no run folder) nothing is kept."""
+        if not work_dir:
+            yield
+            return
+        self.keep_responses(Path(work_dir) / FILE)
+        try:
+            yield
+        finally:
+            self.responses.close()
 
     def loglikelihood(self, requests, *args, **kwargs):
         return self._through_cache("loglikelihood", requests, super().loglikelihood, *args, **kwargs)

@@ -322,11 +322,8 @@ class Ruler(Eval):
         lm = language_model(
             model, tokenizer, batch_size=self.batch_size, max_length=max(self.lengths), decode_graphs=self.decode_graphs
         )
-        cache = Path(ctx.work_dir) / "lm_eval_responses.sqlite" if ctx.work_dir else None
-        if cache:  # every answer kept as it comes: a relaunch of an interrupted run generates only the rest
-            lm.keep_responses(cache)
         out = {"results": {}, "n_samples": {}}
-        try:
+        with lm.responses_kept(ctx.work_dir):
             for name in self.tasks:
                 task = ConfigurableTask(config=self.task_config(name, tokenizer))
                 res = simple_evaluate(
@@ -338,9 +335,6 @@ class Ruler(Eval):
                 )
                 out["results"][name] = numbers_only(res["results"][name])
                 out["n_samples"][name] = res.get("n-samples", {}).get(name)
-        finally:
-            if cache:
-                lm.responses.close()
         out["mean"] = averages.ruler_means(out["results"], self.lengths)
         out["settings"] = {"lengths": self.lengths, "samples": self.samples, "profile": self.profile}
         return out
