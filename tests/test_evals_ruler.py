@@ -5,13 +5,14 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 
+import math  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
 
 import pytest  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
+from lm_eval.api.metrics import mean, mean_stderr, stderr_for_metric  # noqa: E402
 from lm_eval.api.task import ConfigurableTask  # noqa: E402
-from lm_eval.tasks.ruler.common_utils import aggregate_metrics  # noqa: E402
 
 from quantmla import attention  # noqa: E402
 from quantmla import run as qrun  # noqa: E402
@@ -55,12 +56,13 @@ def test_scorer_with_known_answers():
     doc = {"outputs": ["4817263"], "max_length": 1024}
     right = single.process_results(doc, [" 4817263."])
     wrong = single.process_results(doc, [" 4817236, or 1234567."])
-    assert right == {"768": -1.0, "1024": 1.0} and wrong == {"768": -1.0, "1024": 0.0}
+    assert right == {"1024": 1.0} and wrong == {"1024": 0.0}  # a doc counts under its own length only
     multi = ConfigurableTask(config=r.task_config("niah_multivalue", byte_tokenizer()))
     doc = {"outputs": ["1111111", "2222222", "3333333", "4444444"], "max_length": 768}
-    assert multi.process_results(doc, ["2222222 and 4444444"])["768"] == 0.5
+    assert multi.process_results(doc, ["2222222 and 4444444"]) == {"768": 0.5}
     assert multi.process_results(doc, ["\x004444444 3333333 2222222 1111111"])["768"] == 1.0
-    assert aggregate_metrics([1.0, -1.0, 0.0, -1.0]) == 0.5  # lm-eval's per-length mean skips other lengths
+    # each length is lm-eval's mean, which has lm-eval's closed-form standard error
+    assert single.aggregation() == {"768": mean, "1024": mean} and stderr_for_metric(mean, 1000) is mean_stderr
 
 
 @pytest.mark.slow
@@ -88,7 +90,10 @@ def test_ruler_runs_on_tiny_through_the_decode_path(tmp_path):
     finally:
         hook.remove()
     for name in ("niah_single_1", "niah_single_2"):
-        assert 0.0 <= m["results"][name]["512,none"] <= 1.0
+        p = m["results"][name]["512,none"]
+        assert 0.0 <= p <= 1.0
+        # 2 answers scored 0 or 1: the sample standard deviation over √2 is √(p(1 − p)/(2 − 1))
+        assert m["results"][name]["512_stderr,none"] == pytest.approx(math.sqrt(p * (1 - p)), abs=1e-12)
         assert m["n_samples"][name]["effective"] == 2
         assert m["mean"][name] == pytest.approx(100 * m["results"][name]["512,none"])
     prefills = [n for n, c in whole if n > 1]
