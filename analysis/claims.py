@@ -307,10 +307,10 @@ def _ruler_at(run: dict, length: int) -> Value:
     """Mean over the S-NIAH tasks of one run at one length (%), with its standard error."""
     res = run["metrics"].get("results", {})
     vals = [r.get(f"{length},none") for r in res.values()]
-    ses = [r.get(f"{length}_stderr,none") for r in res.values()]
+    ses = [M.ruler_se(run["metrics"], task, length) for task in res]
     if not vals or any(v is None or v < 0 for v in vals):
         return Value(None)
-    se = None if any(s is None or s != s for s in ses) else 100 * math.sqrt(sum(s * s for s in ses)) / len(ses)
+    se = None if any(s is None for s in ses) else 100 * math.sqrt(sum(s * s for s in ses)) / len(ses)
     return Value(100 * sum(vals) / len(vals), se, digits=2)
 
 
@@ -332,6 +332,8 @@ def ruler(runs: list[dict]) -> list[Claim]:
         q = rows.get((model, "C4R4", "quantmla", True))
         base = {m: rows.get((model, "C4R4", m, False)) for m in BASELINES}
         if q is None or any(r is None for r in base.values()):
+            wanted = {"QuantMLA protected": q} | {f"{PT.METHODS[m]} unprotected": r for m, r in base.items()}
+            c.note = f"C4R4 rows not run: {', '.join(k for k, r in wanted.items() if r is None)}"
             out.append(c)
             continue
         length = max(q.runs[0]["metrics"].get("settings", {}).get("lengths") or [0])

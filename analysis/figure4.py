@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from analysis import metrics as M
 from analysis import noise as N
 from analysis import paper as PT
 from analysis import render
@@ -36,14 +37,14 @@ def points(runs: list[dict]) -> pd.DataFrame:
         lengths = run["metrics"].get("settings", {}).get("lengths", [])
         for task, res in run["metrics"].get("results", {}).items():
             for n in lengths:
-                v, se = res.get(f"{n},none"), res.get(f"{n}_stderr,none")
+                v, se = res.get(f"{n},none"), M.ruler_se(run["metrics"], task, n)
                 out.append(
                     PT.row_keys(r)
                     | {
                         "task": task,
                         "length": int(n),
                         "accuracy": None if v is None or v < 0 else 100 * v,
-                        "se": None if se is None or se != se else 100 * se,
+                        "se": None if se is None else 100 * se,
                     }
                 )
     return pd.DataFrame(out)

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 
 from quantmla.evals.averages import COMMONSENSE, SUITES
+from quantmla.evals.ruler import VARIANTS
 from quantmla.tracking import numeric_metrics
 
 
@@ -71,12 +72,25 @@ def suite(metrics: dict, name: str) -> dict[str, Value]:
     return out
 
 
+def ruler_se(metrics: dict, task: str, length) -> float | None:
+    """A RULER task's standard error (a fraction) at one length: lm-eval's, from the record. A record
+    made before the harness had lm-eval compute it has none; for a task whose samples each score 0 or 1
+    (one value asked: :data:`quantmla.evals.ruler.VARIANTS`) it is then √(p(1 − p)/(n − 1)) from the
+    score p and the samples per length n, which is what lm-eval's ``mean_stderr`` gives for such scores."""
+    r = metrics.get("results", {}).get(task, {})
+    se = _num(r.get(f"{length}_stderr,none"))
+    p, n = _num(r.get(f"{length},none")), metrics.get("settings", {}).get("samples")
+    v = VARIANTS.get(task)
+    if se is not None or p is None or p < 0 or not n or n < 2 or v is None or v.n_values * v.n_queries != 1:
+        return se
+    return math.sqrt(p * (1 - p) / (n - 1))
+
+
 def ruler(metrics: dict) -> dict[str, Value]:
     lengths = [str(n) for n in metrics.get("settings", {}).get("lengths", [])]
     out = {}
     for task, mean in metrics["mean"].items():
-        r = metrics.get("results", {}).get(task, {})
-        ses = [_num(r.get(f"{n}_stderr,none")) for n in lengths]
+        ses = [ruler_se(metrics, task, n) for n in lengths]
         w = [100 / len(lengths)] * len(lengths) if lengths else []
         out[task] = Value(_num(mean), _mean_se(ses, w) if ses else None, digits=PCT)
     if out:

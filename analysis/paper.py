@@ -365,4 +365,17 @@ def _notes(name: str, rs: list[Row], scan) -> list[str]:
             "step Δ: the gain over the previous cumulative step (RTN → + content → + RoPE → + protection); "
             "resolved: |step Δ| > max(noise floor, SE(Δ)).",
         )
+    if name == "ruler":
+        lines.append(_ruler_lengths(rs))
     return lines
+
+
+def _ruler_lengths(rs: list[Row]) -> str:
+    """Which lengths each model's means are over: a run stops before loading at a length beyond the
+    model's context, so a small model's means cover fewer lengths than the paper's."""
+    per_model: dict[str, set[int]] = {}
+    for r in rs:
+        for x in r.runs:
+            per_model.setdefault(r.keys["model"], set()).update(x["metrics"].get("settings", {}).get("lengths", []))
+    ours = "; ".join(f"{m} {', '.join(f'{n // 1024}K' for n in sorted(ns))}" for m, ns in per_model.items())
+    return f"Lengths: ours {ours} (up to each model's context); the paper's means are over 4K, 8K, 16K and 32K."

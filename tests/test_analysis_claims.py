@@ -253,3 +253,11 @@ def test_ruler_claim_at_the_longest_length(tmp_path, quantmla, verdict):
     (c,) = [c for c in claims.check(tmp_path) if c.name == "ruler-long"]
     assert c.verdict == verdict, c
     assert f"at 8192 tokens: {100 * quantmla:.2f} vs RTN 80.00" in c.ours and "threshold 0.82" in c.ours
+
+
+def test_ruler_claim_names_the_rows_it_still_needs(tmp_path):
+    _ruler(tmp_path, "c16r16", "rtn", False, 0.95)
+    _ruler(tmp_path, "c4r4", "rtn", False, 0.80)
+    (c,) = [c for c in claims.check(tmp_path) if c.name == "ruler-long"]
+    assert c.verdict == "not run" and c.ours == ""
+    assert c.note == "C4R4 rows not run: QuantMLA protected, SmoothQuant† unprotected, QuaRot† unprotected"

@@ -53,4 +53,29 @@ def test_analysis_paper_writes_figure4_only_with_ruler_runs(tmp_path):
     _record(tmp_path / "with", "c4r4", "quantmla", True)
     _, files = write(tmp_path / "with")
     assert {"figure4.png", "figure4.pdf", "figure4.csv", "ruler.md"} <= {p.name for p in files}
+    # the lengths the means are over are said, beside the paper's
+    assert (
+        "- Lengths: ours smollm2_mla 4K, 8K (up to each model's context); the paper's means are over 4K, 8K, 16K and 32K."
+        in (tmp_path / "with" / "paper" / "ruler.md").read_text()
+    )
     assert figure4.write(tmp_path / "empty", tmp_path / "empty-out") == []
+
+
+def test_a_record_without_lm_evals_standard_error_gets_the_one_of_its_0_or_1_scores():
+    from statistics import stdev
+
+    from analysis.metrics import ruler, ruler_se
+
+    answers = [1.0] * 301 + [0.0] * 199  # 500 samples at one length, each scored 0 or 1
+    p, n = sum(answers) / len(answers), len(answers)
+    res = {t: {"4096,none": p} for t in ("niah_single_3", "niah_multikey_1", "niah_multivalue")}
+    res["niah_single_1"] = {"4096,none": p, "4096_stderr,none": 0.02}
+    m = {"results": res, "mean": {t: 100 * p for t in res}, "settings": {"lengths": [4096], "samples": n}}
+    sample_se = stdev(answers) / n**0.5  # lm-eval's mean_stderr over the per-sample scores
+    assert abs(ruler_se(m, "niah_single_3", 4096) - sample_se) < 1e-12
+    assert abs(ruler_se(m, "niah_multikey_1", 4096) - sample_se) < 1e-12  # four keys, one value asked
+    assert ruler_se(m, "niah_multivalue", 4096) is None  # four values: partial scores, not derivable
+    assert ruler_se(m, "niah_single_1", 4096) == 0.02  # the record's own is kept
+    assert ruler_se(m | {"settings": {"lengths": [4096]}}, "niah_single_3", 4096) is None  # no sample count
+    shown = ruler(m)
+    assert abs(shown["niah_single_3"].se - 100 * sample_se) < 1e-9 and shown["niah_multivalue"].se is None
