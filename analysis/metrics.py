@@ -79,10 +79,13 @@ def ruler_se(metrics: dict, task: str, length) -> float | None:
     score p and the samples per length n, which is what lm-eval's ``mean_stderr`` gives for such scores."""
     r = metrics.get("results", {}).get(task, {})
     se = _num(r.get(f"{length}_stderr,none"))
+    if se is not None:
+        return se
     p, n = _num(r.get(f"{length},none")), metrics.get("settings", {}).get("samples")
     v = VARIANTS.get(task)
-    if se is not None or p is None or p < 0 or not n or n < 2 or v is None or v.n_values * v.n_queries != 1:
-        return se
+    scored_0_or_1 = v is not None and v.n_values == 1 and v.n_queries == 1
+    if not scored_0_or_1 or p is None or p < 0 or not n or n < 2:
+        return None
     return math.sqrt(p * (1 - p) / (n - 1))
 
 
